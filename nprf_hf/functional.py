@@ -1,0 +1,422 @@
+# coding=utf-8
+"""Pure tensor functions for NPRF attention with relative positional encoding.
+
+Luo et al., "Stable, Fast and Accurate: Kernelized Attention with Relative Positional Encoding"
+(NeurIPS 2021). Per head, with n tokens, head size d and m random features:
+
+    z_i = sum_j c_{j-i} phi(q_i) . phi(k_j) v_j  /  sum_j c_{j-i} phi(q_i) . phi(k_j),   c_r = exp(b_r)
+
+where q, k are L2-normalized, phi is the positive random feature map of the softmax kernel and
+b_r is a (T5-bucketed) relative position bias. The Toeplitz matrix C = [c_{j-i}] is applied by one
+of three exact algorithms: "dense" (n x n weights), "fft" (the paper's Toeplitz product through
+real FFTs) and "banded" (C = far constants + a band, using running sums and local attention).
+
+Nothing here holds state: every function takes tensors and returns tensors.
+"""
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+ALGORITHMS = ("auto", "dense", "fft", "banded")
+FEATURE_MAPS = ("orf", "prf")
+
+# Smallest chunk of the banded algorithm: below this the chunked matmuls are too small to be fast.
+BANDED_MIN_CHUNK = 64
+# `auto` crossovers, measured with benchmarks/attention.py on a 2-core CPU (B=1, H=12, d=64, m=64):
+# dense is fastest while n <= AUTO_DENSE_FACTOR * (window of the banded algorithm); without a band,
+# fft beats dense from AUTO_FFT_MIN_LENGTH tokens on.
+AUTO_DENSE_FACTOR = 1.0
+AUTO_FFT_MIN_LENGTH = 2048
+
+
+# ---------------------------------------------------------------------------------------------
+# Relative positions
+# ---------------------------------------------------------------------------------------------
+
+
+def t5_relative_position_bucket(relative_position, bidirectional=True, num_buckets=32, max_distance=128):
+    """T5's bucketing of relative positions (key index - query index), bit-identical to HF T5.
+
+    Args:
+        relative_position: integer tensor of any shape, r = j - i.
+    Returns:
+        LongTensor of the same shape with values in [0, num_buckets).
+    """
+    buckets = torch.zeros_like(relative_position, dtype=torch.long)
+    if bidirectional:
+        num_buckets //= 2
+        buckets = buckets + (relative_position > 0).to(torch.long) * num_buckets
+        distance = relative_position.abs()
+    else:
+        distance = -torch.clamp(relative_position, max=0)
+    max_exact = num_buckets // 2
+    log_ratio = torch.log(distance.float() / max_exact) / math.log(max_distance / max_exact)
+    large = max_exact + (log_ratio * (num_buckets - max_exact)).to(torch.long)
+    large = torch.clamp(large, max=num_buckets - 1)
+    return buckets + torch.where(distance < max_exact, distance, large)
+
+
+def rpe_band_width(num_buckets=32, max_distance=128, bidirectional=True):
+    """Smallest W such that the T5 bucket of r is the same for all r >= W and for all r <= -W.
+
+    A bias gathered from a bucket table is then constant beyond the band |r| < W whatever the
+    table holds (91 for the defaults 32 / 128).
+    """
+    reach = max(max_distance, num_buckets) + 2
+    r = torch.arange(-reach, reach + 1)
+    buckets = t5_relative_position_bucket(r, bidirectional, num_buckets, max_distance)
+    differs = buckets != torch.where(r > 0, buckets[-1], buckets[0])
+    return int(r[differs].abs().max().item()) + 1 if bool(differs.any()) else 1
+
+
+def relative_position_bias(table, seq_len, bidirectional=True, num_buckets=32, max_distance=128):
+    """Expand a bucket table into the per-distance bias b_r.
+
+    Args:
+        table: [H, num_buckets].
+    Returns:
+        [H, 2 * seq_len - 1]; entry r + seq_len - 1 holds b_r for r = j - i.
+    """
+    if table.dim() != 2 or table.shape[-1] != num_buckets:
+        raise ValueError(f"table must be [num_heads, num_buckets={num_buckets}], got {tuple(table.shape)}")
+    r = torch.arange(-(seq_len - 1), seq_len, device=table.device)
+    return table[:, t5_relative_position_bucket(r, bidirectional, num_buckets, max_distance)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Random features
+# ---------------------------------------------------------------------------------------------
+
+
+def draw_projection(
+    num_features, head_dim, kind="orf", num_heads=None, generator=None, device=None, dtype=torch.float32
+):
+    """Draw the random projection W of the feature map.
+
+    "prf": rows iid N(0, I_d). "orf": blocks of d orthogonal rows (QR of a Gaussian matrix), each row
+    rescaled to the norm of a Gaussian vector, so every row is still marginally N(0, I_d).
+
+    Returns:
+        [m, d], or [H, m, d] when `num_heads` is given.
+    """
+    if kind not in FEATURE_MAPS:
+        raise ValueError(f"feature map kind must be one of {FEATURE_MAPS}, got {kind!r}")
+    if num_features < 1 or head_dim < 1:
+        raise ValueError(f"num_features and head_dim must be positive, got {num_features}, {head_dim}")
+    shape = (num_heads or 1, num_features, head_dim)
+    gaussian = torch.randn(shape, generator=generator, dtype=torch.float64)
+    if kind == "prf":
+        projection = gaussian
+    else:
+        num_blocks = -(-num_features // head_dim)
+        square = torch.randn((shape[0], num_blocks, head_dim, head_dim), generator=generator, dtype=torch.float64)
+        q, r = torch.linalg.qr(square)
+        # Fix the signs so that q is Haar-distributed.
+        q = q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)
+        rows = q.transpose(-1, -2).reshape(shape[0], num_blocks * head_dim, head_dim)[:, :num_features]
+        projection = rows * gaussian.norm(dim=-1, keepdim=True)
+    projection = projection.to(device=device, dtype=dtype)
+    return projection if num_heads is not None else projection[0]
+
+
+def positive_random_features(x, projection):
+    """phi(x) = exp(W x - |x|^2 / 2) / sqrt(m), so that E[phi(x) . phi(y)] = exp(x . y).
+
+    Args:
+        x: [..., d]; with a per-head projection, x is [B, H, n, d].
+        projection: [m, d] or [H, m, d].
+    Returns:
+        [..., m]. The exponent is computed in float32 for half-precision inputs and the result is
+        float32 then (the features can exceed the float16 range).
+    """
+    if projection.shape[-1] != x.shape[-1]:
+        raise ValueError(f"projection is {tuple(projection.shape)} but x has size {x.shape[-1]} in its last dim")
+    dtype = _compute_dtype(x.dtype)
+    x = x.to(dtype)
+    projection = projection.to(device=x.device, dtype=dtype)
+    if projection.dim() == 3:
+        if x.dim() < 3 or x.shape[-3] != projection.shape[0]:
+            raise ValueError(f"per-head projection {tuple(projection.shape)} needs x [..., H, n, d], got {tuple(x.shape)}")
+        wx = x @ projection.transpose(-1, -2)
+    elif projection.dim() == 2:
+        wx = x @ projection.t()
+    else:
+        raise ValueError(f"projection must be [m, d] or [H, m, d], got {tuple(projection.shape)}")
+    half_sq_norm = 0.5 * (x * x).sum(-1, keepdim=True)
+    return torch.exp(wx - half_sq_norm) / math.sqrt(projection.shape[-2])
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention
+# ---------------------------------------------------------------------------------------------
+
+
+def nprf_attention(
+    query,
+    key,
+    value,
+    rpe_bias,
+    projection,
+    key_padding_mask=None,
+    algorithm="auto",
+    causal=False,
+    band_width: Optional[int] = None,
+):
+    """Normalized positive random feature attention with a relative position bias.
+
+    Args:
+        query, key: [B, H, n, d] (L2-normalized here). value: [B, H, n, d_v].
+        rpe_bias: [H, 2n - 1]; entry r + n - 1 holds b_r for r = j - i.
+        projection: [m, d] or [H, m, d].
+        key_padding_mask: [B, n], bool or 0/1; True/1 = keep. Padded keys count in neither sum.
+        algorithm: "auto", "dense", "fft" or "banded" (all exact; they differ in speed only).
+        causal: drop keys after the query (j > i).
+        band_width: W of the bias's tied structure (b_r constant for r >= W and for r <= -W), e.g.
+            `rpe_band_width(...)` for a T5 bucket table. None infers it from the values. The banded
+            algorithm sends the gradient of the constant tails to the outermost entries (r = +-(n-1)),
+            which is exact for a bias tied beyond W; so a bias that requires grad needs band_width
+            for "banded" (and "auto" only uses banded then).
+    Returns:
+        [B, H, n, d_v]. Queries with no key to attend to give zeros.
+    """
+    batch, heads, n, head_dim = _check_inputs(query, key, value, rpe_bias, projection, key_padding_mask, algorithm)
+    dtype = _compute_dtype(query.dtype)
+    mask = None if key_padding_mask is None else key_padding_mask.to(device=query.device, dtype=dtype)
+
+    phi_q, phi_k = _features(query, key, projection, mask, dtype)
+    value = value.to(dtype)
+    u = torch.cat([value, torch.ones_like(value[..., :1])], dim=-1)  # [B, H, n, d_v + 1]: numerator | denominator
+    bias = _masked_bias(rpe_bias.to(dtype), n, causal)
+    c = torch.exp(bias - bias.amax(dim=-1, keepdim=True).detach())  # ratios are shift-invariant; c <= 1
+
+    algorithm, band_width = _resolve_algorithm(algorithm, bias, n, band_width, phi_q.shape[-1], u.shape[-1])
+    if algorithm == "dense":
+        out = _dense_toeplitz_attention(phi_q, phi_k, u, c)
+    elif algorithm == "fft":
+        out = _fft_toeplitz_attention(phi_q, phi_k, u, c)
+    else:
+        out = _banded_toeplitz_attention(phi_q, phi_k, u, c, band_width, causal)
+
+    numerator, denominator = out[..., :-1], out[..., -1:]
+    valid = denominator > 0
+    if mask is not None:  # FFT rounding can leave tiny non-zero sums on rows with no key at all
+        kept = mask > 0
+        has_key = kept.cumsum(-1) > 0 if causal else kept.any(-1, keepdim=True)
+        valid = valid & has_key[:, None, :, None]
+    out = torch.where(valid, numerator / torch.where(valid, denominator, torch.ones_like(denominator)), 0.0)
+    return out.to(query.dtype)
+
+
+def nprf_attention_weights(query, key, rpe_bias, projection, key_padding_mask=None, causal=False):
+    """The attention matrix implied by `nprf_attention`, computed densely.
+
+    Returns:
+        [B, H, n, n]; row i holds the weights of the keys for query i (rows sum to 1, rows with no
+        key to attend to are zero).
+    """
+    _check_inputs(query, key, key, rpe_bias, projection, key_padding_mask, "dense")
+    n = query.shape[-2]
+    dtype = _compute_dtype(query.dtype)
+    mask = None if key_padding_mask is None else key_padding_mask.to(device=query.device, dtype=dtype)
+    phi_q, phi_k = _features(query, key, projection, mask, dtype)
+    bias = _masked_bias(rpe_bias.to(dtype), n, causal)
+    c = torch.exp(bias - bias.amax(dim=-1, keepdim=True).detach())
+    weights = (phi_q @ phi_k.transpose(-1, -2)) * _toeplitz(c, n)
+    total = weights.sum(-1, keepdim=True)
+    valid = total > 0
+    weights = torch.where(valid, weights / torch.where(valid, total, torch.ones_like(total)), 0.0)
+    return weights.to(query.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# The three exact Toeplitz products. All take phi_q, phi_k [B, H, n, m] (padded keys zeroed),
+# u [B, H, n, e] and c [H, 2n - 1], and return sum_j c_{j-i} (phi_q_i . phi_k_j) u_j: [B, H, n, e].
+# ---------------------------------------------------------------------------------------------
+
+
+def _dense_toeplitz_attention(phi_q, phi_k, u, c):
+    """O(n^2 (m + e)): the n x n weights, then one matmul."""
+    weights = (phi_q @ phi_k.transpose(-1, -2)) * _toeplitz(c, phi_q.shape[-2])
+    return weights @ u
+
+
+def _fft_toeplitz_attention(phi_q, phi_k, u, c):
+    """The paper's algorithm: D_i = sum_j c_{j-i} phi_k_j u_j^T for all i through real FFTs of the
+    m * e channels of phi_k u^T over the (contiguous) sequence axis, then z_i = phi_q_i^T D_i.
+    One head at a time, to bound the memory of the [B, m, e, n] channel tensor."""
+    n = phi_q.shape[-2]
+    length = _fft_length(2 * n - 1)
+    # Convolution kernel k_t = c_{-t}, placed circularly: t = 0..n-1 first, t = -(n-1)..-1 last.
+    zeros = c.new_zeros(c.shape[0], length - (2 * n - 1))
+    kernel = torch.cat([c[:, :n].flip(-1), zeros, c[:, n:].flip(-1)], dim=-1)
+    kernel_f = torch.fft.rfft(kernel, n=length)  # [H, length // 2 + 1]
+    heads = []
+    for h in range(phi_q.shape[1]):
+        channels = phi_k[:, h].transpose(-1, -2).unsqueeze(2) * u[:, h].transpose(-1, -2).unsqueeze(1)  # [B, m, e, n]
+        toeplitz = torch.fft.irfft(torch.fft.rfft(channels, n=length) * kernel_f[h], n=length)[..., :n]
+        heads.append(torch.einsum("bnm,bmen->bne", phi_q[:, h], toeplitz))
+    return torch.stack(heads, dim=1)
+
+
+def _banded_toeplitz_attention(phi_q, phi_k, u, c, band_width, causal):
+    """C = c_far^- [j < i] + c_far^+ [j > i] + a band of width W, all matmuls.
+
+    The sequence is cut into chunks of size s >= W - 1. Queries of chunk k see keys of chunks
+    k-1, k, k+1 (a window of 3s) with their exact coefficients c_{j-i} (one [s, 3s] Toeplitz block
+    shared by all chunks); every key of chunks <= k-2 is at distance >= s + 1 >= W and weighs
+    c_far^-, every key of chunks >= k+2 weighs c_far^+: those enter through prefix / suffix sums of
+    the chunk states phi_k^T u. Causal drops the next chunk and the suffix sums.
+    """
+    batch, heads, n, m = phi_q.shape
+    e = u.shape[-1]
+    chunk = max(band_width - 1, BANDED_MIN_CHUNK)
+    num_chunks = -(-n // chunk)
+    if num_chunks <= 2:  # the window covers the whole sequence: this is the dense product
+        return _dense_toeplitz_attention(phi_q, phi_k, u, c)
+    padded = num_chunks * chunk
+    blocks = 2 if causal else 3
+    window = blocks * chunk
+
+    q_chunks = F.pad(phi_q, (0, 0, 0, padded - n)).view(batch, heads, num_chunks, chunk, m)
+    # Zero keys before the first and after the last chunk; unfold gives [B, H, chunks, m or e, window].
+    tail = padded - n + (blocks - 2) * chunk
+    k_windows = F.pad(phi_k, (0, 0, chunk, tail)).unfold(2, window, chunk)
+    u_windows = F.pad(u, (0, 0, chunk, tail)).unfold(2, window, chunk)
+
+    # Near part: query a of a chunk and window key w are at distance r = w - chunk - a.
+    offsets = torch.arange(window, device=c.device)[None, :] - chunk - torch.arange(chunk, device=c.device)[:, None]
+    coefficients = c[:, (offsets + n - 1).clamp(0, 2 * n - 2)]  # [H, s, window]; clamped entries meet zero keys
+    weights = (q_chunks @ k_windows) * coefficients[:, None]
+    out = weights @ u_windows.transpose(-1, -2)  # [B, H, chunks, s, e]
+
+    # Far part: prefix sums of the chunk states up to chunk k-2 (and suffix sums from chunk k+2).
+    k_chunks = F.pad(phi_k, (0, 0, 0, padded - n)).view(batch, heads, num_chunks, chunk, m)
+    u_chunks = F.pad(u, (0, 0, 0, padded - n)).view(batch, heads, num_chunks, chunk, e)
+    states = k_chunks.transpose(-1, -2) @ u_chunks  # [B, H, chunks, m, e]
+    c_far_before = c[:, 0].view(heads, 1, 1, 1)
+    before = F.pad(states.cumsum(2)[:, :, :-2], (0, 0, 0, 0, 2, 0))
+    far = c_far_before * before
+    if not causal:
+        c_far_after = c[:, -1].view(heads, 1, 1, 1)
+        after = F.pad(states.flip(2).cumsum(2).flip(2)[:, :, 2:], (0, 0, 0, 0, 0, 2))
+        far = far + c_far_after * after
+    out = out + q_chunks @ far
+    return out.reshape(batch, heads, padded, e)[:, :, :n]
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def _compute_dtype(dtype):
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _features(query, key, projection, mask, dtype):
+    """phi(q_hat), phi(k_hat) [B, H, n, m] in `dtype`, padded keys zeroed (after the map: phi(0) != 0)."""
+    phi_q = positive_random_features(F.normalize(query.to(dtype), dim=-1), projection)
+    phi_k = positive_random_features(F.normalize(key.to(dtype), dim=-1), projection)
+    if mask is not None:
+        phi_k = phi_k * mask[:, None, :, None]
+    return phi_q, phi_k
+
+
+def _masked_bias(bias, n, causal):
+    """[H, 2n-1] bias with -inf for r > 0 when causal."""
+    if not causal:
+        return bias
+    future = torch.arange(2 * n - 1, device=bias.device) > n - 1
+    return bias.masked_fill(future, float("-inf"))
+
+
+def _toeplitz(c, n):
+    """[H, 2n-1] -> [H, n, n] with entry (i, j) = c_{j-i}."""
+    positions = torch.arange(n, device=c.device)
+    return c[:, positions[None, :] - positions[:, None] + n - 1]
+
+
+def _infer_band_width(bias, n):
+    """Smallest W with bias[:, r] constant over r >= W and over r <= -W (W = n: no band)."""
+    after = (bias[:, n:] != bias[:, -1:]).any(0)  # r = 1 .. n-1
+    before = (bias[:, : n - 1] != bias[:, :1]).any(0)  # r = -(n-1) .. -1
+    width_after = int(after.nonzero().max().item()) + 2 if bool(after.any()) else 1
+    width_before = n - int(before.nonzero().min().item()) if bool(before.any()) else 1
+    return max(width_after, width_before)
+
+
+def _fft_length(minimum):
+    """Smallest 2^a 3^b 5^c >= minimum (fast sizes for pocketfft / cuFFT)."""
+    best = 1 << max(minimum - 1, 0).bit_length()
+    power5 = 1
+    while power5 < best:
+        power35 = power5
+        while power35 < best:
+            size = power35
+            while size < minimum:
+                size *= 2
+            best = min(best, size)
+            power35 *= 3
+        power5 *= 5
+    return best
+
+
+def _banded_window(band_width, m, e):
+    """Per-token cost proxy of the banded algorithm, in keys of a dense row."""
+    chunk = max(band_width - 1, BANDED_MIN_CHUNK)
+    return 3 * chunk + 2 * m * e / (m + e)
+
+
+def _resolve_algorithm(algorithm, bias, n, band_width, m, e):
+    """Pick the algorithm for `auto` and the band width for `banded`."""
+    tied = band_width is not None
+    if algorithm in ("auto", "banded"):
+        inferred = _infer_band_width(bias.detach(), n)
+        if tied and inferred > band_width:
+            raise ValueError(
+                f"band_width={band_width} but rpe_bias is not constant beyond it (it varies up to |r| = {inferred - 1})"
+            )
+        if not tied and bias.requires_grad and torch.is_grad_enabled():
+            if algorithm == "banded":
+                raise ValueError(
+                    "algorithm='banded' with an rpe_bias that requires grad needs band_width (the width of the "
+                    "bias's tied structure, e.g. rpe_band_width(num_buckets, max_distance)) for exact gradients"
+                )
+            inferred = n  # without the tied structure auto may not use banded
+        band_width = band_width if tied else inferred
+    if algorithm != "auto":
+        return algorithm, band_width
+    has_band = 3 * max(band_width - 1, BANDED_MIN_CHUNK) < n
+    if has_band:
+        return ("dense" if n <= AUTO_DENSE_FACTOR * _banded_window(band_width, m, e) else "banded"), band_width
+    return ("fft" if n >= AUTO_FFT_MIN_LENGTH else "dense"), band_width
+
+
+def _check_inputs(query, key, value, rpe_bias, projection, key_padding_mask, algorithm):
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    if query.dim() != 4 or key.shape != query.shape:
+        raise ValueError(f"query and key must both be [B, H, n, d], got {tuple(query.shape)} and {tuple(key.shape)}")
+    batch, heads, n, head_dim = query.shape
+    if value.dim() != 4 or value.shape[:3] != query.shape[:3]:
+        raise ValueError(f"value must be [B={batch}, H={heads}, n={n}, d_v], got {tuple(value.shape)}")
+    if n < 1:
+        raise ValueError("the sequence is empty (n = 0)")
+    if rpe_bias.shape != (heads, 2 * n - 1):
+        raise ValueError(f"rpe_bias must be [H={heads}, 2n-1={2 * n - 1}], got {tuple(rpe_bias.shape)}")
+    if projection.dim() not in (2, 3) or projection.shape[-1] != head_dim or (
+        projection.dim() == 3 and projection.shape[0] != heads
+    ):
+        raise ValueError(f"projection must be [m, d={head_dim}] or [H={heads}, m, d={head_dim}], got {tuple(projection.shape)}")
+    if key_padding_mask is not None:
+        if key_padding_mask.shape != (batch, n):
+            raise ValueError(
+                f"key_padding_mask must be [B={batch}, n={n}] (True/1 = keep), got {tuple(key_padding_mask.shape)}"
+            )
+        if key_padding_mask.dtype != torch.bool and not bool(((key_padding_mask == 0) | (key_padding_mask == 1)).all()):
+            raise ValueError("key_padding_mask must be boolean or hold only 0/1 (1 = keep); got other values")
+    return batch, heads, n, head_dim

@@ -1,0 +1,386 @@
+"""nprf_hf.functional against an independent float64 dense reference written here."""
+
+import math
+
+import pytest
+import torch
+from transformers.models.t5.modeling_t5 import T5Attention
+
+from nprf_hf import functional as Fn
+
+
+EXACT = ("dense", "fft", "banded", "auto")
+
+
+def reference_attention(query, key, value, bias, projection, mask=None, causal=False):
+    """Float64, the formula of the paper written out with explicit n x n matrices."""
+    q, k, v, bias, projection = (t.double() for t in (query, key, value, bias, projection))
+    batch, heads, n, _ = q.shape
+    q = q / q.norm(dim=-1, keepdim=True)
+    k = k / k.norm(dim=-1, keepdim=True)
+    if projection.dim() == 2:
+        projection = projection.expand(heads, *projection.shape)
+    m = projection.shape[1]
+    phi_q = torch.exp(torch.einsum("bhnd,hmd->bhnm", q, projection) - 0.5) / math.sqrt(m)
+    phi_k = torch.exp(torch.einsum("bhnd,hmd->bhnm", k, projection) - 0.5) / math.sqrt(m)
+    i = torch.arange(n)[:, None]
+    j = torch.arange(n)[None, :]
+    coefficient = torch.exp(bias[:, j - i + n - 1])  # [H, n, n]
+    weights = torch.einsum("bhim,bhjm->bhij", phi_q, phi_k) * coefficient
+    if causal:
+        weights = weights * (j <= i)
+    if mask is not None:
+        weights = weights * mask.double()[:, None, None, :]
+    total = weights.sum(-1, keepdim=True)
+    out = weights @ v / total
+    return torch.where(total > 0, out, torch.zeros_like(out))
+
+
+def t5_bias(heads, n, num_buckets=32, max_distance=128, bidirectional=True, scale=1.0):
+    table = torch.randn(heads, num_buckets) * scale
+    return Fn.relative_position_bias(table, n, bidirectional, num_buckets, max_distance)
+
+
+def random_inputs(batch, heads, n, d, m, dtype=torch.float64, per_head=True, kind="orf"):
+    q = torch.randn(batch, heads, n, d, dtype=dtype)
+    k = torch.randn(batch, heads, n, d, dtype=dtype)
+    v = torch.randn(batch, heads, n, d, dtype=dtype)
+    projection = Fn.draw_projection(m, d, kind, num_heads=heads if per_head else None, dtype=dtype)
+    return q, k, v, projection
+
+
+def random_padding(batch, n):
+    lengths = torch.randint(1, n + 1, (batch,))
+    lengths[0] = n
+    return torch.arange(n)[None, :] < lengths[:, None]
+
+
+def rel_error(out, ref):
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Let the banded algorithm chunk short sequences, so that it is exercised at small n."""
+    monkeypatch.setattr(Fn, "BANDED_MIN_CHUNK", 4)
+
+
+# --- relative positions ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+@pytest.mark.parametrize("num_buckets,max_distance", [(32, 128), (16, 64), (64, 256), (8, 20)])
+def test_buckets_match_hf_t5(bidirectional, num_buckets, max_distance):
+    r = torch.arange(-3000, 3001)[:, None] + torch.zeros(1, 3, dtype=torch.long)
+    ours = Fn.t5_relative_position_bucket(r, bidirectional, num_buckets, max_distance)
+    theirs = T5Attention._relative_position_bucket(r, bidirectional, num_buckets, max_distance)
+    assert ours.dtype == torch.long and torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+@pytest.mark.parametrize("num_buckets,max_distance", [(32, 128), (16, 64), (64, 256), (8, 20)])
+def test_band_width_is_smallest_constant_tail(bidirectional, num_buckets, max_distance):
+    width = Fn.rpe_band_width(num_buckets, max_distance, bidirectional)
+    r = torch.arange(-1000, 1001)
+    buckets = T5Attention._relative_position_bucket(r, bidirectional, num_buckets, max_distance)
+    far = r.abs() >= width
+    assert torch.equal(buckets[far & (r > 0)].unique(), buckets[-1:])
+    assert torch.equal(buckets[far & (r < 0)].unique(), buckets[:1])
+    near = (r.abs() == width - 1)
+    assert width == 1 or (buckets[near] != torch.where(r[near] > 0, buckets[-1], buckets[0])).any()
+    if (num_buckets, max_distance, bidirectional) == (32, 128, True):
+        assert width == 91
+
+
+def test_relative_position_bias_layout():
+    table = torch.randn(3, 32)
+    n = 50
+    bias = Fn.relative_position_bias(table, n)
+    for r in (-49, -7, 0, 5, 49):
+        bucket = T5Attention._relative_position_bucket(torch.tensor(r), True, 32, 128)
+        assert torch.equal(bias[:, r + n - 1], table[:, bucket])
+    with pytest.raises(ValueError, match="num_buckets"):
+        Fn.relative_position_bias(torch.randn(3, 16), n)
+
+
+# --- feature maps --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["prf", "orf"])
+def test_feature_map_is_unbiased_softmax_kernel(kind):
+    """Mean of phi(x).phi(y) over many independent projections -> exp(x.y), within 5 standard errors."""
+    d, m, draws = 8, 16, 4000
+    x = torch.randn(d, dtype=torch.float64)
+    y = torch.randn(d, dtype=torch.float64)
+    x, y = 0.8 * x / x.norm(), 0.8 * y / y.norm()
+    projection = Fn.draw_projection(m, d, kind, num_heads=draws, dtype=torch.float64)  # [draws, m, d]
+    estimates = (Fn.positive_random_features(x.expand(draws, 1, d), projection)
+                 * Fn.positive_random_features(y.expand(draws, 1, d), projection)).sum(-1).squeeze(-1)
+    truth = torch.exp(x @ y)
+    stderr = estimates.std() / math.sqrt(draws)
+    assert abs(estimates.mean() - truth) < 5 * stderr
+    assert stderr < 0.05 * truth  # the test has power: the estimate is tight enough to catch a wrong kernel
+
+
+def test_orf_rows_are_orthogonal_blocks_with_gaussian_norms():
+    d, m = 16, 40
+    projection = Fn.draw_projection(m, d, "orf", num_heads=3, dtype=torch.float64)
+    assert projection.shape == (3, m, d)
+    block = projection[:, :d]
+    gram = block @ block.transpose(-1, -2)
+    off_diagonal = gram - torch.diag_embed(torch.diagonal(gram, dim1=-2, dim2=-1))
+    assert off_diagonal.abs().max() < 1e-10
+    norms = Fn.draw_projection(4096, d, "orf", dtype=torch.float64).norm(dim=-1)
+    assert abs(norms.pow(2).mean().item() - d) < 0.1 * d  # rows ~ N(0, I_d): E|w|^2 = d
+    with pytest.raises(ValueError, match="orf"):
+        Fn.draw_projection(m, d, "gaussian")
+
+
+def test_projection_draw_is_reproducible_with_generator():
+    a = Fn.draw_projection(32, 8, "orf", num_heads=2, generator=torch.Generator().manual_seed(3))
+    b = Fn.draw_projection(32, 8, "orf", num_heads=2, generator=torch.Generator().manual_seed(3))
+    c = Fn.draw_projection(32, 8, "orf", num_heads=2, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_feature_map_half_precision_is_finite(dtype):
+    x = (torch.randn(2, 3, 10, 64) * 3).to(dtype)  # |x|^2 ~ 576: exp overflows in half, not in float32
+    projection = Fn.draw_projection(64, 64, "prf", num_heads=3)
+    phi = Fn.positive_random_features(x, projection)
+    assert phi.dtype == torch.float32 and torch.isfinite(phi).all()
+    ref = Fn.positive_random_features(x.double(), projection.double())
+    assert torch.allclose(phi.double(), ref, rtol=1e-4, atol=1e-30)
+
+
+# --- attention: exact algorithms against the reference ---------------------------------------------
+
+
+@pytest.mark.parametrize("algorithm", EXACT)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n", [1, 2, 7, 64, 127, 256, 301])
+def test_algorithms_match_reference_float64(algorithm, causal, n, small_chunks):
+    batch, heads, d, m = 3, 2, 8, 6
+    q, k, v, projection = random_inputs(batch, heads, n, d, m)
+    bias = t5_bias(heads, n, num_buckets=16, max_distance=40, bidirectional=not causal)
+    mask = random_padding(batch, n)
+    out = Fn.nprf_attention(q, k, v, bias, projection, mask, algorithm=algorithm, causal=causal)
+    ref = reference_attention(q, k, v, bias, projection, mask, causal)
+    assert out.dtype == torch.float64 and out.shape == ref.shape
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("algorithm", EXACT)
+@pytest.mark.parametrize("causal", [False, True])
+def test_arbitrary_per_distance_bias_has_no_band(algorithm, causal, small_chunks):
+    """A bias learned per distance varies everywhere: banded must notice and stay exact."""
+    batch, heads, n, d, m = 2, 3, 150, 8, 5
+    q, k, v, projection = random_inputs(batch, heads, n, d, m, per_head=False)
+    bias = torch.randn(heads, 2 * n - 1, dtype=torch.float64)
+    mask = random_padding(batch, n)
+    out = Fn.nprf_attention(q, k, v, bias, projection, mask, algorithm=algorithm, causal=causal)
+    torch.testing.assert_close(out, reference_attention(q, k, v, bias, projection, mask, causal), rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("tail", [1, 5, 40])
+def test_banded_with_bias_constant_beyond_varied_widths(tail, small_chunks):
+    heads, n = 2, 200
+    bias = torch.randn(heads, 2 * n - 1, dtype=torch.float64)
+    bias[:, : n - tail] = bias[:, :1]
+    bias[:, n - 1 + tail:] = bias[:, -1:]
+    assert Fn._infer_band_width(bias, n) == tail
+    q, k, v, projection = random_inputs(2, heads, n, 8, 6)
+    mask = random_padding(2, n)
+    out = Fn.nprf_attention(q, k, v, bias, projection, mask, algorithm="banded")
+    torch.testing.assert_close(out, reference_attention(q, k, v, bias, projection, mask), rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("n", [700, 1024])
+def test_long_sequences_default_chunking(n):
+    """Real chunk sizes (W = 91 -> chunks of 90), power-of-two and other lengths, float64."""
+    q, k, v, projection = random_inputs(1, 2, n, 16, 8)
+    bias = t5_bias(2, n)
+    mask = random_padding(1, n)
+    ref = reference_attention(q, k, v, bias, projection, mask)
+    for algorithm in ("banded", "fft", "auto"):
+        out = Fn.nprf_attention(q, k, v, bias, projection, mask, algorithm=algorithm)
+        torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("n", [300, 768])
+def test_float32_accuracy(n):
+    """float32 relative error: <= 2e-5 for dense and banded, <= 1e-4 for fft (biases with a range of ~8)."""
+    batch, heads, d, m = 2, 4, 64, 64
+    q, k, v, projection = random_inputs(batch, heads, n, d, m, dtype=torch.float32)
+    bias = t5_bias(heads, n, scale=2.0).float()
+    mask = random_padding(batch, n)
+    ref = reference_attention(q, k, v, bias, projection, mask)
+    for algorithm, tolerance in (("dense", 2e-5), ("banded", 2e-5), ("fft", 1e-4), ("auto", 2e-5)):
+        out = Fn.nprf_attention(q, k, v, bias, projection, mask, algorithm=algorithm)
+        assert out.dtype == torch.float32
+        assert rel_error(out, ref) <= tolerance, (algorithm, rel_error(out, ref))
+
+
+@pytest.mark.parametrize("algorithm", EXACT)
+def test_bfloat16_accuracy(algorithm):
+    batch, heads, n, d, m = 2, 3, 300, 32, 32
+    q, k, v, projection = random_inputs(batch, heads, n, d, m, dtype=torch.float32)
+    bias = t5_bias(heads, n)
+    mask = random_padding(batch, n)
+    q16, k16, v16 = (t.bfloat16() for t in (q, k, v))
+    out = Fn.nprf_attention(q16, k16, v16, bias.bfloat16(), projection, mask, algorithm=algorithm)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    ref = reference_attention(q16, k16, v16, bias.bfloat16(), projection, mask)
+    assert rel_error(out, ref) <= 2e-2
+
+
+@pytest.mark.parametrize("algorithm", EXACT)
+def test_half_inputs_with_large_activations_stay_finite(algorithm):
+    q, k, v, projection = random_inputs(1, 2, 130, 16, 16, dtype=torch.float32)
+    q16, k16, v16 = (q * 3000).half(), (k * 3000).half(), (v * 1000).half()
+    bias = t5_bias(2, 130, scale=5.0).half()
+    out = Fn.nprf_attention(q16, k16, v16, bias, projection, algorithm=algorithm)
+    assert out.dtype == torch.float16 and torch.isfinite(out).all()
+    assert rel_error(out, reference_attention(q16, k16, v16, bias, projection)) <= 1e-2
+
+
+# --- padding ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("algorithm", EXACT)
+@pytest.mark.parametrize("causal", [False, True])
+def test_all_padding_rows_give_zeros_not_nan(algorithm, causal, small_chunks):
+    batch, heads, n, d, m = 3, 2, 40, 8, 4
+    q, k, v, projection = random_inputs(batch, heads, n, d, m)
+    mask = torch.ones(batch, n, dtype=torch.bool)
+    mask[1] = False  # nothing to attend to
+    mask[2, :10] = False  # causal: the first 10 queries see no key
+    q.requires_grad_(True)
+    v.requires_grad_(True)
+    out = Fn.nprf_attention(q, k, v, t5_bias(heads, n, 8, 20), projection, mask, algorithm=algorithm, causal=causal)
+    assert torch.isfinite(out).all()
+    assert (out[1] == 0).all()
+    if causal:
+        assert (out[2, :, :10] == 0).all() and (out[2, :, 10:] != 0).any()
+    out.sum().backward()
+    assert torch.isfinite(q.grad).all() and torch.isfinite(v.grad).all()
+
+
+@pytest.mark.parametrize("algorithm", EXACT)
+def test_padded_keys_do_not_matter(algorithm, small_chunks):
+    """Whatever sits in padded positions (even huge values) leaves the real rows unchanged."""
+    batch, heads, n, d, m = 2, 2, 60, 8, 4
+    q, k, v, projection = random_inputs(batch, heads, n, d, m)
+    mask = torch.ones(batch, n)
+    mask[:, 45:] = 0
+    bias = t5_bias(heads, n, 8, 20)
+    out = Fn.nprf_attention(q, k, v, bias, projection, mask, algorithm=algorithm)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 45:] = torch.randn_like(k2[:, :, 45:]) * 100
+    v2[:, :, 45:] = 1e6
+    out2 = Fn.nprf_attention(q, k2, v2, bias, projection, mask, algorithm=algorithm)
+    torch.testing.assert_close(out[:, :, :45], out2[:, :, :45], rtol=1e-9, atol=1e-9)
+
+
+# --- gradients ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("algorithm", ["dense", "fft", "banded"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradcheck(algorithm, causal, small_chunks):
+    """Gradients w.r.t. q, k, v and a T5 bucket table (through the gathered bias), float64."""
+    batch, heads, n, d, m, buckets, distance = 2, 2, 23, 4, 3, 8, 10
+    q, k, v, projection = random_inputs(batch, heads, n, d, m)
+    table = torch.randn(heads, buckets, dtype=torch.float64)
+    mask = random_padding(batch, n)
+    width = Fn.rpe_band_width(buckets, distance, not causal)
+
+    def fn(q, k, v, table):
+        bias = Fn.relative_position_bias(table, n, not causal, buckets, distance)
+        return Fn.nprf_attention(q, k, v, bias, projection, mask, algorithm, causal, band_width=width)
+
+    inputs = tuple(t.requires_grad_(True) for t in (q, k, v, table))
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-6, rtol=1e-4)
+
+
+def test_banded_gradient_matches_reference_on_zero_table(small_chunks):
+    """A zero-initialized bucket table: values carry no band, the tied structure does."""
+    heads, n, buckets, distance = 2, 64, 8, 20
+    q, k, v, projection = random_inputs(2, heads, n, 8, 4)
+    mask = random_padding(2, n)
+    grads = []
+    for algorithm in ("banded", "reference"):
+        table = torch.zeros(heads, buckets, dtype=torch.float64, requires_grad=True)
+        bias = Fn.relative_position_bias(table, n, True, buckets, distance)
+        if algorithm == "reference":
+            out = reference_attention(q, k, v, bias, projection, mask)
+        else:
+            out = Fn.nprf_attention(q, k, v, bias, projection, mask, "banded", band_width=Fn.rpe_band_width(buckets, distance))
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        grads.append(table.grad)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-8, atol=1e-10)
+    assert grads[1][:, 1:-1].abs().sum() > 0  # near buckets do get gradient
+
+
+# --- attention weights ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_weights_imply_the_output(causal):
+    batch, heads, n, d, m = 2, 3, 33, 8, 5
+    q, k, v, projection = random_inputs(batch, heads, n, d, m)
+    bias = t5_bias(heads, n, 8, 20)
+    mask = random_padding(batch, n)
+    weights = Fn.nprf_attention_weights(q, k, bias, projection, mask, causal)
+    out = Fn.nprf_attention(q, k, v, bias, projection, mask, causal=causal)
+    torch.testing.assert_close(weights @ v, out, rtol=1e-9, atol=1e-11)
+    sums = weights.sum(-1)
+    torch.testing.assert_close(sums, torch.ones_like(sums))
+    assert (weights[..., ~mask[:, None, None, :].expand_as(weights)[0, 0, 0]] >= 0).all()
+    if causal:
+        assert (weights.triu(1) == 0).all()
+
+
+# --- bad input -------------------------------------------------------------------------------------------
+
+
+def test_bad_inputs_raise_clear_errors():
+    q, k, v, projection = random_inputs(2, 3, 10, 8, 4, dtype=torch.float32)
+    bias = torch.zeros(3, 19)
+    with pytest.raises(ValueError, match="algorithm must be one of"):
+        Fn.nprf_attention(q, k, v, bias, projection, algorithm="linear")
+    with pytest.raises(ValueError, match="rpe_bias must be"):
+        Fn.nprf_attention(q, k, v, torch.zeros(3, 10), projection)
+    with pytest.raises(ValueError, match="key_padding_mask must be"):
+        Fn.nprf_attention(q, k, v, bias, projection, torch.ones(2, 1, 10, 10))
+    with pytest.raises(ValueError, match="key_padding_mask must be"):
+        Fn.nprf_attention(q, k, v, bias, projection, torch.ones(3, 10))
+    with pytest.raises(ValueError, match="only 0/1"):
+        Fn.nprf_attention(q, k, v, bias, projection, torch.full((2, 10), -10000.0))
+    with pytest.raises(ValueError, match="projection must be"):
+        Fn.nprf_attention(q, k, v, bias, torch.randn(4, 5))
+    with pytest.raises(ValueError, match="query and key"):
+        Fn.nprf_attention(q, k[:, :, :5], v, bias, projection)
+    with pytest.raises(ValueError, match="value must be"):
+        Fn.nprf_attention(q, k, v[:1], bias, projection)
+
+
+def test_banded_refuses_learnable_bias_without_band_width():
+    q, k, v, projection = random_inputs(1, 2, 50, 8, 4)
+    table = torch.zeros(2, 8, dtype=torch.float64, requires_grad=True)
+    bias = Fn.relative_position_bias(table, 50, True, 8, 20)
+    with pytest.raises(ValueError, match="band_width"):
+        Fn.nprf_attention(q, k, v, bias, projection, algorithm="banded")
+    with pytest.raises(ValueError, match="not constant beyond"):
+        Fn.nprf_attention(q, k, v, torch.randn(2, 99, dtype=torch.float64), projection, algorithm="banded", band_width=5)
+
+
+def test_fft_length_is_fast_and_sufficient():
+    for minimum in (1, 2, 3, 127, 255, 1399, 2047, 32767):
+        length = Fn._fft_length(minimum)
+        assert length >= minimum and length < 2 * minimum + 2
+        rest = length
+        for p in (2, 3, 5):
+            while rest % p == 0:
+                rest //= p
+        assert rest == 1
