@@ -25,7 +25,8 @@ ALGORITHMS = ("auto", "dense", "fft", "banded")
 FEATURE_MAPS = ("orf", "prf")
 
 # Smallest chunk of the banded algorithm: below this the chunked matmuls are too small to be fast.
-BANDED_MIN_CHUNK = 64
+BANDED_MIN_CHUNK = 16
+BANDED_REACH = 1
 # `auto` crossovers, measured with benchmarks/attention.py on a 2-core CPU (B=1, H=12, d=64, m=64):
 # dense is fastest while n <= AUTO_DENSE_FACTOR * (window of the banded algorithm); without a band,
 # fft beats dense from AUTO_FFT_MIN_LENGTH tokens on.
@@ -265,47 +266,58 @@ def _fft_toeplitz_attention(phi_q, phi_k, u, c):
 def _banded_toeplitz_attention(phi_q, phi_k, u, c, band_width, causal):
     """C = c_far^- [j < i] + c_far^+ [j > i] + a band of width W, all matmuls.
 
-    The sequence is cut into chunks of size s >= W - 1. Queries of chunk k see keys of chunks
-    k-1, k, k+1 (a window of 3s) with their exact coefficients c_{j-i} (one [s, 3s] Toeplitz block
-    shared by all chunks); every key of chunks <= k-2 is at distance >= s + 1 >= W and weighs
-    c_far^-, every key of chunks >= k+2 weighs c_far^+: those enter through prefix / suffix sums of
-    the chunk states phi_k^T u. Causal drops the next chunk and the suffix sums.
+    The sequence is cut into chunks of size s with R s >= W - 1 (R chunks of reach). Queries of
+    chunk k see the keys of chunks k-R .. k+R (a window of (2R+1)s keys) with their exact
+    coefficients c_{j-i} (one [s, (2R+1)s] Toeplitz block shared by all chunks); every key of chunks
+    <= k-R-1 is at distance >= Rs + 1 >= W and weighs c_far^-, every key of chunks >= k+R+1 weighs
+    c_far^+: those enter through prefix / suffix sums of the chunk states phi_k^T u. Causal drops
+    the chunks after k and the suffix sums.
     """
     batch, heads, n, m = phi_q.shape
     e = u.shape[-1]
-    chunk = max(band_width - 1, BANDED_MIN_CHUNK)
+    reach, chunk = _banded_chunking(band_width)
     num_chunks = -(-n // chunk)
-    if num_chunks <= 2:  # the window covers the whole sequence: this is the dense product
+    if num_chunks <= 2 * reach + 1:  # the window covers the whole sequence: this is the dense product
         return _dense_toeplitz_attention(phi_q, phi_k, u, c)
     padded = num_chunks * chunk
-    blocks = 2 if causal else 3
-    window = blocks * chunk
+    window = (2 * reach + 1 if not causal else reach + 1) * chunk
+    # Every head's sequence gets R zero chunks on each side: [B, H, slots, s, .] with slots = chunks + 2R.
+    # Flattened over (B, H, slots), all windows then have one stride and the matmuls need no copies;
+    # the slots of the zero chunks compute (small) garbage that is dropped at the end.
+    slots = num_chunks + 2 * reach
+    pads = (0, 0, reach * chunk, padded - n + reach * chunk)
+    q_slots = F.pad(phi_q, pads).view(batch * heads * slots, chunk, m)
+    k_slots = F.pad(phi_k, pads).view(batch * heads * slots, chunk, m)
+    u_slots = F.pad(u, pads).view(batch * heads * slots, chunk, e)
 
-    q_chunks = F.pad(phi_q, (0, 0, 0, padded - n)).view(batch, heads, num_chunks, chunk, m)
-    # Zero keys before the first and after the last chunk; unfold gives [B, H, chunks, m or e, window].
-    tail = padded - n + (blocks - 2) * chunk
-    k_windows = F.pad(phi_k, (0, 0, chunk, tail)).unfold(2, window, chunk)
-    u_windows = F.pad(u, (0, 0, chunk, tail)).unfold(2, window, chunk)
+    # Near part: the window of slot p starts R chunks before it. Query a and window key w are at
+    # distance r = w - R s - a; one [H, s, window] coefficient block serves every slot.
+    def windows(x):
+        flat = F.pad(x.view(-1, x.shape[-1]), (0, 0, reach * chunk, window - (reach + 1) * chunk))
+        return flat.unfold(0, window, chunk)  # [B*H*slots, features, window], a view
 
-    # Near part: query a of a chunk and window key w are at distance r = w - chunk - a.
-    offsets = torch.arange(window, device=c.device)[None, :] - chunk - torch.arange(chunk, device=c.device)[:, None]
+    offsets = torch.arange(window, device=c.device)[None, :] - reach * chunk - torch.arange(chunk, device=c.device)[:, None]
     coefficients = c[:, (offsets + n - 1).clamp(0, 2 * n - 2)]  # [H, s, window]; clamped entries meet zero keys
-    weights = (q_chunks @ k_windows) * coefficients[:, None]
-    out = weights @ u_windows.transpose(-1, -2)  # [B, H, chunks, s, e]
+    scores = torch.bmm(q_slots, windows(k_slots)).view(batch, heads, slots, chunk * window)
+    weights = (scores * coefficients.view(heads, 1, chunk * window)).view(-1, chunk, window)
+    out = torch.bmm(weights, windows(u_slots).transpose(-1, -2))  # [B*H*slots, s, e]
 
-    # Far part: prefix sums of the chunk states up to chunk k-2 (and suffix sums from chunk k+2).
-    k_chunks = F.pad(phi_k, (0, 0, 0, padded - n)).view(batch, heads, num_chunks, chunk, m)
-    u_chunks = F.pad(u, (0, 0, 0, padded - n)).view(batch, heads, num_chunks, chunk, e)
-    states = k_chunks.transpose(-1, -2) @ u_chunks  # [B, H, chunks, m, e]
-    c_far_before = c[:, 0].view(heads, 1, 1, 1)
-    before = F.pad(states.cumsum(2)[:, :, :-2], (0, 0, 0, 0, 2, 0))
-    far = c_far_before * before
+    # Far part: prefix sums of the chunk states up to slot p-R-1 (and suffix sums from slot p+R+1).
+    states = (k_slots.transpose(-1, -2) @ u_slots).view(batch, heads, slots, m * e)
+    shift = reach + 1
+    far = c[:, :1, None] * F.pad(states.cumsum(2)[:, :, :-shift], (0, 0, shift, 0))
     if not causal:
-        c_far_after = c[:, -1].view(heads, 1, 1, 1)
-        after = F.pad(states.flip(2).cumsum(2).flip(2)[:, :, 2:], (0, 0, 0, 0, 0, 2))
-        far = far + c_far_after * after
-    out = out + q_chunks @ far
-    return out.reshape(batch, heads, padded, e)[:, :, :n]
+        suffix = states.flip(2).cumsum(2).flip(2)  # not total - prefix: that cancels badly near the end
+        far = far + c[:, -1:, None] * F.pad(suffix[:, :, shift:], (0, 0, 0, shift))
+    out = torch.baddbmm(out, q_slots, far.view(-1, m, e)).view(batch, heads, slots, chunk, e)
+    return out[:, :, reach : reach + num_chunks].reshape(batch, heads, padded, e)[:, :, :n]
+
+
+def _banded_chunking(band_width):
+    """(reach R, chunk size s) with R s >= W - 1: smaller chunks waste less of the window."""
+    reach = BANDED_REACH
+    chunk = max(-(-(band_width - 1) // reach), BANDED_MIN_CHUNK)
+    return reach, chunk
 
 
 # ---------------------------------------------------------------------------------------------
@@ -367,8 +379,8 @@ def _fft_length(minimum):
 
 def _banded_window(band_width, m, e):
     """Per-token cost proxy of the banded algorithm, in keys of a dense row."""
-    chunk = max(band_width - 1, BANDED_MIN_CHUNK)
-    return 3 * chunk + 2 * m * e / (m + e)
+    reach, chunk = _banded_chunking(band_width)
+    return (2 * reach + 1) * chunk + 2 * m * e / (m + e)
 
 
 def _resolve_algorithm(algorithm, bias, n, band_width, m, e):
@@ -390,7 +402,8 @@ def _resolve_algorithm(algorithm, bias, n, band_width, m, e):
         band_width = band_width if tied else inferred
     if algorithm != "auto":
         return algorithm, band_width
-    has_band = 3 * max(band_width - 1, BANDED_MIN_CHUNK) < n
+    reach, chunk = _banded_chunking(band_width)
+    has_band = (2 * reach + 1) * chunk < n
     if has_band:
         return ("dense" if n <= AUTO_DENSE_FACTOR * _banded_window(band_width, m, e) else "banded"), band_width
     return ("fft" if n >= AUTO_FFT_MIN_LENGTH else "dense"), band_width

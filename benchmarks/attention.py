@@ -1,0 +1,238 @@
+"""Attention-kernel benchmark: every exact NPRF algorithm next to softmax SDPA, in one run.
+
+For B=1, H=12, d=64, m=64 and each length n: median forward and forward+backward time, peak
+memory, plus two floors: a bare rfft+irfft of the FFT path's own [B*H, m, d+1, n] channel tensor
+and the machine's fp32 matmul FLOP rate. Prints a table and writes JSON.
+
+    python benchmarks/attention.py --threads 2 --output benchmarks/results/attention_cpu.json
+
+Peak memory on CPU is the peak resident set size (VmHWM, reset through /proc/self/clear_refs)
+above the resident size before the call; glibc is told to mmap every large block
+(MALLOC_MMAP_THRESHOLD_) so that freed tensors leave the resident set at once. On CUDA it is
+torch.cuda.max_memory_allocated above the memory allocated before the call.
+"""
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+
+if sys.platform.startswith("linux") and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"
+    os.execv(sys.executable, [sys.executable] + sys.argv)
+
+import torch
+import torch.nn.functional as F
+
+from nprf_hf import functional as Fn
+
+
+ALGORITHMS = ("dense", "fft", "banded", "auto")
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def reset_peak(device):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return rss_bytes()
+
+
+def read_peak(device, start):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() - start
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024 - start
+    return float("nan")
+
+
+def measure(fn, device, min_time=1.0, max_repeats=5):
+    """Median wall time of fn() after one warm-up call, and the peak memory of one call."""
+    fn()
+    sync(device)
+    start = reset_peak(device)
+    times = []
+    while len(times) < max_repeats and (len(times) < 2 or sum(times) < min_time):
+        tic = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - tic)
+        if times[0] > 10 * min_time:
+            break
+    return statistics.median(times), read_peak(device, start)
+
+
+def matmul_gflops(device, size=2048):
+    a = torch.randn(size, size, device=device)
+    b = torch.randn(size, size, device=device)
+    seconds, _ = measure(lambda: a @ b, device)
+    return 2 * size**3 / seconds / 1e9
+
+
+def banded_flops(batch, heads, n, d, m, band_width=91):
+    """Multiply-adds x 2 of the banded algorithm's matmuls and feature maps (forward)."""
+    chunk = max(band_width - 1, Fn.BANDED_MIN_CHUNK)
+    chunks = -(-n // chunk)
+    e = d + 1
+    per_chunk = 2 * chunk * (3 * chunk * m + 3 * chunk * e + 2 * m * e + 2 * m * d)
+    return batch * heads * chunks * per_chunk
+
+
+def make_inputs(batch, heads, n, d, m, device, requires_grad):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(batch, heads, n, d, device=device, requires_grad=requires_grad) for _ in range(3))
+    table = torch.randn(heads, 32, device=device, requires_grad=requires_grad)
+    projection = Fn.draw_projection(m, d, "orf", num_heads=heads, device=device)
+    return q, k, v, table, projection
+
+
+def nprf_step(algorithm, inputs, n, backward):
+    q, k, v, table, projection = inputs
+    width = Fn.rpe_band_width()
+
+    def run():
+        bias = Fn.relative_position_bias(table, n)
+        out = Fn.nprf_attention(q, k, v, bias, projection, algorithm=algorithm, band_width=width)
+        if backward:
+            out.sum().backward()
+        return out
+
+    return run
+
+
+def sdpa_step(inputs, backward):
+    q, k, v = inputs[:3]
+
+    def run():
+        out = F.scaled_dot_product_attention(q, k, v)
+        if backward:
+            out.sum().backward()
+        return out
+
+    return run
+
+
+def fft_floor_step(batch, heads, n, d, m, device):
+    length = Fn._fft_length(2 * n - 1)
+    channels = torch.randn(batch * heads, m, d + 1, n, device=device)
+    return lambda: torch.fft.irfft(torch.fft.rfft(channels, n=length), n=length)
+
+
+def fits(name, batch, heads, n, backward, budget_bytes):
+    """Skip the quadratic dense path where its n x n tensors would not fit."""
+    if name != "dense":
+        return True
+    copies = 8 if backward else 4
+    return copies * 4 * batch * heads * n * n <= budget_bytes
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--features", type=int, default=64)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--memory-budget-gb", type=float, default=12.0, help="skip dense beyond this estimate")
+    parser.add_argument("--min-time", type=float, default=1.0, help="seconds of repeats per point")
+    parser.add_argument("--output", default="benchmarks/results/attention.json")
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    b, h, d, m = args.batch, args.heads, args.head_dim, args.features
+    machine = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or platform.machine(),
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "matmul_gflops": matmul_gflops(device),
+    }
+    print(f"# B={b} H={h} d={d} m={m} device={device} threads={args.threads} torch={torch.__version__}")
+    print(f"# fp32 matmul: {machine['matmul_gflops']:.1f} GFLOP/s")
+    header = f"{'n':>6} {'pass':>8} {'sdpa':>9} " + " ".join(f"{a:>9}" for a in ALGORITHMS) + f" {'fftfloor':>9} {'auto/sdpa':>9} {'mem auto':>9} {'mem sdpa':>9}"
+    print(header)
+    rows = []
+    for n in args.lengths:
+        for backward in (False, True):
+            row = {"n": n, "pass": "fwd+bwd" if backward else "fwd", "seconds": {}, "peak_bytes": {}}
+            context = torch.enable_grad() if backward else torch.inference_mode()
+            with context:
+                inputs = make_inputs(b, h, n, d, m, device, backward)
+                steps = {"sdpa": sdpa_step(inputs, backward)}
+                for name in ALGORITHMS:
+                    if fits(name, b, h, n, backward, args.memory_budget_gb * 2**30):
+                        steps[name] = nprf_step(name, inputs, n, backward)
+                if not backward:
+                    steps["fft_floor"] = fft_floor_step(b, h, n, d, m, device)
+                for name, step in steps.items():
+                    row["seconds"][name], row["peak_bytes"][name] = measure(step, device, args.min_time)
+                    for t in inputs:
+                        t.grad = None
+            if not backward:
+                row["banded_gflops"] = banded_flops(b, h, n, d, m) / row["seconds"]["banded"] / 1e9
+            seconds = row["seconds"]
+            cells = " ".join(f"{seconds[a]:9.4f}" if a in seconds else f"{'skip':>9}" for a in ALGORITHMS)
+            floor = f"{seconds['fft_floor']:9.4f}" if "fft_floor" in seconds else f"{'':>9}"
+            mem = row["peak_bytes"]
+            print(
+                f"{n:>6} {row['pass']:>8} {seconds['sdpa']:9.4f} {cells} {floor} "
+                f"{seconds['sdpa'] / seconds['auto']:9.2f} {mem['auto'] / 2**20:8.0f}M {mem['sdpa'] / 2**20:8.0f}M",
+                flush=True,
+            )
+            rows.append(row)
+    summary = summarize(rows, machine)
+    for line in summary["lines"]:
+        print(line)
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    with open(args.output, "w") as f:
+        json.dump({"config": vars(args), "machine": machine, "rows": rows, "summary": summary}, f, indent=1)
+    print(f"wrote {args.output}")
+
+
+def summarize(rows, machine):
+    """The ratios the core issue targets, computed from this run."""
+    table = {(r["n"], r["pass"]): r for r in rows}
+    lines, ratios = [], {}
+
+    def add(name, value, text):
+        ratios[name] = value
+        lines.append(f"{text}: {value:.2f}")
+
+    lengths = sorted({r["n"] for r in rows})
+    for n in lengths:
+        for kind in ("fwd", "fwd+bwd"):
+            seconds = table[(n, kind)]["seconds"]
+            fastest = min(seconds[a] for a in ("dense", "fft", "banded") if a in seconds)
+            add(f"auto_over_fastest_{kind}_{n}", seconds["auto"] / fastest, f"n={n} {kind}: auto / fastest exact")
+            add(f"sdpa_over_auto_{kind}_{n}", seconds["sdpa"] / seconds["auto"], f"n={n} {kind}: sdpa / auto (speed-up)")
+        forward = table[(n, "fwd")]
+        add(f"banded_matmul_fraction_{n}", forward["banded_gflops"] / machine["matmul_gflops"], f"n={n}: banded GFLOP/s / matmul GFLOP/s")
+        add(f"fft_over_floor_{n}", forward["seconds"]["fft"] / forward["seconds"]["fft_floor"], f"n={n}: fft / bare rfft+irfft")
+    for a, b in zip(lengths, lengths[1:]):
+        if b == 2 * a:
+            add(f"auto_time_scaling_{b}", table[(b, "fwd")]["seconds"]["auto"] / table[(a, "fwd")]["seconds"]["auto"], f"auto fwd time({b}) / time({a})")
+            add(f"auto_memory_scaling_{b}", table[(b, "fwd")]["peak_bytes"]["auto"] / max(table[(a, "fwd")]["peak_bytes"]["auto"], 1), f"auto fwd peak memory({b}) / memory({a})")
+    return {"ratios": ratios, "lines": lines}
+
+
+if __name__ == "__main__":
+    main()
