@@ -386,20 +386,21 @@ def _banded_window(band_width, m, e):
 def _resolve_algorithm(algorithm, bias, n, band_width, m, e):
     """Pick the algorithm for `auto` and the band width for `banded`."""
     tied = band_width is not None
-    if algorithm in ("auto", "banded"):
-        inferred = _infer_band_width(bias.detach(), n)
-        if tied and inferred > band_width:
+    if tied and algorithm in ("auto", "banded") and not torch.compiler.is_compiling():
+        inferred = _infer_band_width(bias.detach(), n)  # a host sync: checked in eager mode only
+        if inferred > band_width:
             raise ValueError(
                 f"band_width={band_width} but rpe_bias is not constant beyond it (it varies up to |r| = {inferred - 1})"
             )
-        if not tied and bias.requires_grad and torch.is_grad_enabled():
+    if not tied and algorithm in ("auto", "banded"):
+        band_width = _infer_band_width(bias.detach(), n)
+        if bias.requires_grad and torch.is_grad_enabled():
             if algorithm == "banded":
                 raise ValueError(
                     "algorithm='banded' with an rpe_bias that requires grad needs band_width (the width of the "
                     "bias's tied structure, e.g. rpe_band_width(num_buckets, max_distance)) for exact gradients"
                 )
-            inferred = n  # without the tied structure auto may not use banded
-        band_width = band_width if tied else inferred
+            band_width = n  # without the tied structure auto may not use banded
     if algorithm != "auto":
         return algorithm, band_width
     reach, chunk = _banded_chunking(band_width)

@@ -1,0 +1,710 @@
+# coding=utf-8
+"""PyTorch NPRF-BERT and NPRF-RoBERTa: BERT / RoBERTa with normalized positive random feature
+attention and a T5-bucketed relative positional encoding (Luo et al., NeurIPS 2021).
+
+The HF module chain is subclassed, names and shapes unchanged, so checkpoints map one-to-one:
+
+    NPRF...Model -> NPRFEncoder -> NPRFLayer -> NPRFAttention -> NPRFSelfAttention
+
+The state_dict of an NPRF model is the source BERT / RoBERTa state_dict plus
+- `encoder.rpe_table` [H, rpe_num_buckets] (shared across layers, the default), or
+  `encoder.layer.{i}.attention.self.rpe_table` per layer (`rpe_shared_across_layers=False`);
+- `encoder.layer.{i}.attention.self.projection` [H, m, d], the random projection (persistent buffer).
+RoBERTa's encoder modules are verbatim copies of BERT's in transformers, so both families share the
+NPRF encoder classes; only embeddings and heads differ.
+
+Design notes:
+- Masks. HF builds 4D masks ([B, 1, L, L], bool under sdpa, additive float under eager, None when
+  there is no padding). We keep HF's choice of `config._attn_implementation` ("sdpa" by default,
+  "eager" accepted; flash / flex are declared unsupported so masks always arrive in one of those
+  two forms). The encoder turns a pure padding mask (or padding + causal for `is_decoder`) into a
+  key padding mask [B, L] once; any other mask is applied exactly through the dense weights.
+- Cross-attention (decoder with `add_cross_attention=True`) is HF's softmax cross-attention,
+  unchanged: the paper's RPE has no meaning between two different sequences.
+- Attention dropout (`attention_probs_dropout_prob`) is not applied: the fast algorithms never
+  build an attention matrix to drop from.
+- The RPE table starts at zeros (c_r = 1 for every distance): a converted checkpoint starts as
+  plain normalized random-feature attention and learns its positional bias while fine-tuning.
+"""
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from transformers import initialization as init
+from transformers.cache_utils import EncoderDecoderCache
+from transformers.masking_utils import create_bidirectional_mask
+from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
+from transformers.modeling_utils import PreTrainedModel
+from transformers.models.bert.modeling_bert import (
+    BertAttention,
+    BertCrossAttention,
+    BertEmbeddings,
+    BertEncoder,
+    BertForMaskedLM,
+    BertForMultipleChoice,
+    BertForQuestionAnswering,
+    BertForSequenceClassification,
+    BertForTokenClassification,
+    BertIntermediate,
+    BertLayer,
+    BertModel,
+    BertOnlyMLMHead,
+    BertOutput,
+    BertPooler,
+    BertPreTrainedModel,
+    BertSelfAttention,
+    BertSelfOutput,
+)
+from transformers.models.roberta.modeling_roberta import (
+    RobertaClassificationHead,
+    RobertaEmbeddings,
+    RobertaForCausalLM,
+    RobertaForMaskedLM,
+    RobertaForMultipleChoice,
+    RobertaForQuestionAnswering,
+    RobertaForSequenceClassification,
+    RobertaForTokenClassification,
+    RobertaLMHead,
+    RobertaModel,
+    RobertaPooler,
+    RobertaPreTrainedModel,
+)
+from transformers.utils import logging
+
+from .configuration_nprf import NPRFBertConfig, NPRFRobertaConfig, validate_nprf_fields
+from .functional import (
+    draw_projection,
+    nprf_attention,
+    nprf_attention_weights,
+    relative_position_bias,
+    rpe_band_width,
+)
+
+
+logger = logging.get_logger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------
+# Masks
+# ---------------------------------------------------------------------------------------------
+
+
+def _mask_to_bool(attention_mask):
+    """A 4D HF mask (bool, True = attend; or additive float, 0 = attend) -> bool, True = attend."""
+    if attention_mask.dtype == torch.bool:
+        return attention_mask
+    if not attention_mask.is_floating_point():
+        return attention_mask != 0
+    blocked = attention_mask <= torch.finfo(attention_mask.dtype).min / 2
+    if not bool(((attention_mask == 0) | blocked).all()):
+        raise ValueError(
+            "NPRF attention accepts masks (0 = attend, a very negative value = blocked) but got an additive "
+            "attention bias with other values; add such biases to the RPE table instead."
+        )
+    return ~blocked
+
+
+def split_attention_mask(attention_mask, query_length, key_length, causal):
+    """Split an attention mask into what NPRF attention can apply fast and what it cannot.
+
+    Args:
+        attention_mask: None, a key padding mask [B, key_length] (True/1 = keep), or a 4D HF mask
+            [B, 1 or H, query_length, key_length]; queries are the last `query_length` positions.
+        causal: whether the attention is causal (`is_decoder`).
+    Returns:
+        (key_padding_mask [B, key_length] bool or None, general_mask bool [B, 1|H, Lq, Lk] or None).
+        The general mask is returned only when the 4D mask is not a padding mask (+ the causal
+        pattern when `causal`); it must then be applied exactly through the dense weights. Rows of
+        padded queries (tokens no query attends to) are not checked: their outputs are never used.
+    """
+    if attention_mask is None:
+        return None, None
+    if attention_mask.dim() == 2:
+        if attention_mask.shape[-1] != key_length:
+            raise ValueError(
+                f"2D attention_mask must be [batch, {key_length}] (1 = keep), got {tuple(attention_mask.shape)}"
+            )
+        return attention_mask.bool(), None
+    if attention_mask.dim() != 4 or attention_mask.shape[-2:] != (query_length, key_length):
+        raise ValueError(
+            f"attention_mask must be [batch, key_length] or [batch, 1, {query_length}, {key_length}], "
+            f"got {tuple(attention_mask.shape)}"
+        )
+    keep = _mask_to_bool(attention_mask)
+    key_padding_mask = keep.any(dim=2).any(dim=1)  # a key is real if some query may attend to it
+    expected = key_padding_mask[:, None, None, :]
+    if causal:
+        positions = torch.arange(key_length, device=keep.device)
+        query_positions = positions[key_length - query_length :]
+        expected = expected & (positions[None, :] <= query_positions[:, None])
+    padded_queries = ~key_padding_mask[:, None, key_length - query_length :, None]
+    if bool(((keep == expected) | padded_queries).all()):
+        return key_padding_mask, None
+    return None, keep
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoder modules (shared by the BERT and RoBERTa families)
+# ---------------------------------------------------------------------------------------------
+
+
+def projection_generator(seed, layer_idx, draw_index):
+    """The torch.Generator of one projection draw: a fixed function of (seed, layer, draw count)."""
+    combined = ((seed * 100_003 + layer_idx) * 1_000_000_007 + draw_index) % 2**63
+    return torch.Generator(device="cpu").manual_seed(combined)
+
+
+class NPRFSelfAttention(BertSelfAttention):
+    """Self-attention with NPRF attention and a relative position bias.
+
+    `query`, `key`, `value` keep BERT's names and shapes (PEFT / LoRA target them by name).
+    Buffers and parameters of its own:
+        projection: [H, m, d] persistent buffer, the random projection of the feature map.
+        rpe_table: [H, rpe_num_buckets] parameter when `rpe_shared_across_layers=False`, else None
+            (the encoder owns the shared table and passes it as `rpe_table=` to forward).
+    """
+
+    def __init__(self, config, is_causal=False, layer_idx=None):
+        super().__init__(config, is_causal=is_causal, layer_idx=layer_idx)
+        self.layer_idx = 0 if layer_idx is None else layer_idx
+        self.bidirectional = not is_causal
+        with torch.device("cpu"):  # a plain int, also when the model is built on the meta device
+            self.band_width = rpe_band_width(config.rpe_num_buckets, config.rpe_max_distance, self.bidirectional)
+        self.projection = nn.Buffer(self.draw_projection(0), persistent=True)
+        if config.rpe_shared_across_layers:
+            self.rpe_table = None
+        else:
+            self.rpe_table = nn.Parameter(torch.zeros(self.num_attention_heads, config.rpe_num_buckets))
+
+    def draw_projection(self, draw_index):
+        """[H, m, d] float32 on CPU, drawn from `projection_generator(projection_seed, layer, draw_index)`."""
+        generator = projection_generator(self.config.projection_seed, self.layer_idx, draw_index)
+        with torch.device("cpu"):
+            return draw_projection(
+                self.config.num_random_features,
+                self.attention_head_size,
+                kind=self.config.feature_map,
+                num_heads=self.num_attention_heads,
+                generator=generator,
+            )
+
+    @torch.no_grad()
+    def redraw_projection(self, draw_index):
+        self.projection.copy_(self.draw_projection(draw_index))
+
+    def forward(self, hidden_states, attention_mask=None, past_key_values=None, rpe_table=None, **kwargs):
+        """
+        Args:
+            hidden_states: [B, Lq, hidden].
+            attention_mask: None, [B, Lk] key padding mask, or a 4D HF mask [B, 1, Lq, Lk].
+            past_key_values: a Cache (decoder generation); keys/values are then [B, H, Lk, d] with
+                Lk >= Lq and the queries are the last Lq positions.
+            rpe_table: [H, rpe_num_buckets], the shared table (when this module has none).
+        Returns:
+            (attn_output [B, Lq, hidden], attn_weights [B, H, Lq, Lk] or None).
+        """
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.attention_head_size)
+        query = self.query(hidden_states).view(hidden_shape).transpose(1, 2)
+        key = self.key(hidden_states).view(hidden_shape).transpose(1, 2)
+        value = self.value(hidden_states).view(hidden_shape).transpose(1, 2)
+
+        if past_key_values is not None:
+            cache = past_key_values
+            if isinstance(past_key_values, EncoderDecoderCache):
+                cache = past_key_values.self_attention_cache
+            key, value = cache.update(key, value, self.layer_idx)
+
+        query_length, key_length = query.shape[2], key.shape[2]
+        if query_length != key_length:
+            if not self.is_causal:
+                raise ValueError("cached keys/values need causal attention (config.is_decoder=True)")
+            # Queries are the last positions: give the cached ones zero queries, drop their rows below.
+            query = F.pad(query, (0, 0, key_length - query_length, 0))
+
+        table = self.rpe_table if self.rpe_table is not None else rpe_table
+        if table is None:
+            raise ValueError("rpe_shared_across_layers=True: the encoder must pass its rpe_table to the self-attention")
+        rpe_bias = relative_position_bias(
+            table, key_length, self.bidirectional, self.config.rpe_num_buckets, self.config.rpe_max_distance
+        )
+        key_padding_mask, general_mask = split_attention_mask(attention_mask, query_length, key_length, self.is_causal)
+
+        output_attentions = kwargs.get("output_attentions")
+        if output_attentions is None:
+            output_attentions = getattr(self.config, "output_attentions", False)
+        attn_weights = None
+        if output_attentions or general_mask is not None:
+            limit = self.config.output_attentions_max_length
+            if key_length > limit:
+                what = "output_attentions=True" if output_attentions else "an attention mask that is not a padding mask"
+                raise ValueError(
+                    f"{what} needs the dense {key_length} x {key_length} attention matrix, longer than "
+                    f"config.output_attentions_max_length={limit}; raise that limit or use a padding mask / "
+                    "output_attentions=False."
+                )
+
+        first = key_length - query_length  # rows of the current queries
+        if general_mask is None:
+            attn_output = nprf_attention(
+                query,
+                key,
+                value,
+                rpe_bias,
+                self.projection,
+                key_padding_mask=key_padding_mask,
+                algorithm=self.config.attention_algorithm,
+                causal=self.is_causal,
+                band_width=self.band_width,
+            )[:, :, first:]
+            if output_attentions:
+                attn_weights = nprf_attention_weights(
+                    query, key, rpe_bias, self.projection, key_padding_mask=key_padding_mask, causal=self.is_causal
+                )[:, :, first:]
+        else:
+            # Exact for any mask: restrict the unmasked weights to the allowed keys and renormalize.
+            weights = nprf_attention_weights(query, key, rpe_bias, self.projection)[:, :, first:] * general_mask
+            total = weights.sum(-1, keepdim=True)
+            attn_weights = weights / torch.where(total > 0, total, torch.ones_like(total))
+            attn_output = attn_weights @ value
+
+        attn_output = attn_output.transpose(1, 2).reshape(*input_shape, -1).contiguous()
+        return attn_output, (attn_weights if output_attentions else None)
+
+
+class NPRFAttention(BertAttention):
+    """BertAttention with NPRF self-attention (`.self`) and BERT's output block (`.output`)."""
+
+    def __init__(self, config, is_causal=False, layer_idx=None):
+        nn.Module.__init__(self)
+        self.is_cross_attention = False
+        self.self = NPRFSelfAttention(config, is_causal=is_causal, layer_idx=layer_idx)
+        self.output = BertSelfOutput(config)
+
+
+class NPRFLayer(BertLayer):
+    """BertLayer with NPRF self-attention; cross-attention (if configured) is HF's softmax one."""
+
+    def __init__(self, config, layer_idx=None):
+        nn.Module.__init__(self)
+        self.chunk_size_feed_forward = config.chunk_size_feed_forward
+        self.seq_len_dim = 1
+        self.attention = NPRFAttention(config, is_causal=config.is_decoder, layer_idx=layer_idx)
+        self.is_decoder = config.is_decoder
+        self.add_cross_attention = config.add_cross_attention
+        if self.add_cross_attention:
+            if not self.is_decoder:
+                raise ValueError(f"{self} should be used as a decoder model if cross attention is added")
+            self.crossattention = BertAttention(config, is_causal=False, layer_idx=layer_idx, is_cross_attention=True)
+        self.intermediate = BertIntermediate(config)
+        self.output = BertOutput(config)
+
+
+class NPRFEncoder(BertEncoder):
+    """BertEncoder of NPRF layers. Owns the shared RPE table and the projection redraw counter.
+
+    rpe_table: [H, rpe_num_buckets] parameter (None when `rpe_shared_across_layers=False`).
+    redraw_step: non-persistent counter of training forward passes (used when
+        `feature_redraw_interval > 0`).
+    """
+
+    def __init__(self, config):
+        nn.Module.__init__(self)
+        validate_nprf_fields(config)
+        self.config = config
+        self.layer = nn.ModuleList([NPRFLayer(config, layer_idx=i) for i in range(config.num_hidden_layers)])
+        if config.rpe_shared_across_layers:
+            self.rpe_table = nn.Parameter(torch.zeros(config.num_attention_heads, config.rpe_num_buckets))
+        else:
+            self.rpe_table = None
+        self.redraw_step = nn.Buffer(torch.zeros((), dtype=torch.long), persistent=False)
+
+    def maybe_redraw_projections(self):
+        """Redraw every layer's projection each `feature_redraw_interval` training forward passes."""
+        interval = self.config.feature_redraw_interval
+        if not (self.training and interval > 0):
+            return
+        self.redraw_step += 1
+        step = int(self.redraw_step)
+        if step % interval == 0:
+            for layer in self.layer:
+                layer.attention.self.redraw_projection(step // interval)
+
+    def forward(
+        self,
+        hidden_states,
+        attention_mask=None,
+        encoder_hidden_states=None,
+        encoder_attention_mask=None,
+        past_key_values=None,
+        use_cache=None,
+        **kwargs,
+    ):
+        self.maybe_redraw_projections()
+        if attention_mask is not None and attention_mask.dim() == 4:
+            # Once for all layers: a padding (+ causal) mask becomes a [B, Lk] key padding mask.
+            key_padding_mask, _ = split_attention_mask(
+                attention_mask, hidden_states.shape[1], attention_mask.shape[-1], self.config.is_decoder
+            )
+            if key_padding_mask is not None:
+                attention_mask = key_padding_mask
+        if self.rpe_table is not None:
+            kwargs["rpe_table"] = self.rpe_table
+        for layer_module in self.layer:
+            hidden_states = layer_module(
+                hidden_states,
+                attention_mask,
+                encoder_hidden_states,  # as a positional argument for gradient checkpointing
+                encoder_attention_mask=encoder_attention_mask,
+                past_key_values=past_key_values,
+                **kwargs,
+            )
+        return BaseModelOutputWithPastAndCrossAttentions(
+            last_hidden_state=hidden_states,
+            past_key_values=past_key_values if use_cache else None,
+        )
+
+
+def create_nprf_attention_masks(
+    model, attention_mask, encoder_attention_mask, embedding_output, encoder_hidden_states, past_key_values
+):
+    """`_create_attention_masks` of the NPRF models. For the self-attention a 2D padding mask [B, Lk]
+    (the tokenizer's) stays a bool key padding mask and None stays None (causality comes from
+    `is_decoder`), so no L x L mask is ever built; a 4D mask goes through HF's builders as in BERT.
+    The cross-attention mask is HF's, unchanged."""
+    if attention_mask is not None and attention_mask.dim() != 2:
+        return BertModel._create_attention_masks(
+            model, attention_mask, encoder_attention_mask, embedding_output, encoder_hidden_states, past_key_values
+        )
+    if attention_mask is not None:
+        attention_mask = attention_mask.bool()
+    if encoder_attention_mask is not None:
+        encoder_attention_mask = create_bidirectional_mask(
+            config=model.config,
+            inputs_embeds=embedding_output,
+            attention_mask=encoder_attention_mask,
+            encoder_hidden_states=encoder_hidden_states,
+        )
+    return attention_mask, encoder_attention_mask
+
+
+def _init_nprf_weights(module):
+    """Initialize what the NPRF modules add (called from `_init_weights`, also after a meta-device build)."""
+    if isinstance(module, NPRFSelfAttention):
+        init.copy_(module.projection, module.draw_projection(0))
+        if module.rpe_table is not None:
+            init.zeros_(module.rpe_table)
+    elif isinstance(module, NPRFEncoder):
+        if module.rpe_table is not None:
+            init.zeros_(module.rpe_table)
+        init.zeros_(module.redraw_step)
+
+
+def _position_limit_error(length, limit):
+    return ValueError(
+        f"Input of {length} positions but position_embedding_type='absolute' has max_position_embeddings={limit} "
+        "positions. Truncate the input, extend the table with `nprf-hf convert --max-position-embeddings N`, or use "
+        "position_embedding_type='none' (relative positions only, any length)."
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# BERT
+# ---------------------------------------------------------------------------------------------
+
+
+class NPRFBertEmbeddings(BertEmbeddings):
+    """BertEmbeddings; without the absolute position table when `position_embedding_type="none"`."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.position_embedding_type = config.position_embedding_type
+        if config.position_embedding_type == "none":
+            self.position_embeddings = None
+
+    def forward(self, input_ids=None, token_type_ids=None, position_ids=None, inputs_embeds=None, past_key_values_length=0):
+        input_shape = input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1]
+        seq_length = input_shape[1]
+        if inputs_embeds is None:
+            inputs_embeds = self.word_embeddings(input_ids)
+        if token_type_ids is None:
+            token_type_ids = torch.zeros(input_shape, dtype=torch.long, device=inputs_embeds.device)
+        embeddings = inputs_embeds + self.token_type_embeddings(token_type_ids)
+        if self.position_embeddings is not None:
+            if position_ids is None:
+                limit = self.position_embeddings.num_embeddings
+                if past_key_values_length + seq_length > limit:
+                    raise _position_limit_error(past_key_values_length + seq_length, limit)
+                position_ids = self.position_ids[:, past_key_values_length : past_key_values_length + seq_length]
+            embeddings = embeddings + self.position_embeddings(position_ids)
+        embeddings = self.LayerNorm(embeddings)
+        return self.dropout(embeddings)
+
+
+class NPRFBertPreTrainedModel(BertPreTrainedModel):
+    config: NPRFBertConfig
+    config_class = NPRFBertConfig
+    base_model_prefix = "bert"
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _supports_attention_backend = False
+    _no_split_modules = ["NPRFBertEmbeddings", "NPRFLayer"]
+    _can_record_outputs = {
+        "hidden_states": NPRFLayer,
+        "attentions": NPRFSelfAttention,
+        "cross_attentions": BertCrossAttention,
+    }
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        _init_nprf_weights(module)
+
+
+class NPRFBertModel(NPRFBertPreTrainedModel, BertModel):
+    """BertModel with NPRF attention. Forward: as [`BertModel`]."""
+
+    def __init__(self, config, add_pooling_layer=True):
+        PreTrainedModel.__init__(self, config)
+        self.config = config
+        self.gradient_checkpointing = False
+        self.embeddings = NPRFBertEmbeddings(config)
+        self.encoder = NPRFEncoder(config)
+        self.pooler = BertPooler(config) if add_pooling_layer else None
+        self.post_init()
+
+    _create_attention_masks = create_nprf_attention_masks
+
+
+class NPRFBertForMaskedLM(NPRFBertPreTrainedModel, BertForMaskedLM):
+    def __init__(self, config):
+        PreTrainedModel.__init__(self, config)
+        if config.is_decoder:
+            logger.warning("NPRFBertForMaskedLM wants config.is_decoder=False for bi-directional self-attention.")
+        self.bert = NPRFBertModel(config, add_pooling_layer=False)
+        self.cls = BertOnlyMLMHead(config)
+        self.post_init()
+
+
+class NPRFBertForSequenceClassification(NPRFBertPreTrainedModel, BertForSequenceClassification):
+    def __init__(self, config):
+        PreTrainedModel.__init__(self, config)
+        self.num_labels = config.num_labels
+        self.config = config
+        self.bert = NPRFBertModel(config)
+        classifier_dropout = (
+            config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+        )
+        self.dropout = nn.Dropout(classifier_dropout)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+
+class NPRFBertForTokenClassification(NPRFBertPreTrainedModel, BertForTokenClassification):
+    def __init__(self, config):
+        PreTrainedModel.__init__(self, config)
+        self.num_labels = config.num_labels
+        self.bert = NPRFBertModel(config, add_pooling_layer=False)
+        classifier_dropout = (
+            config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+        )
+        self.dropout = nn.Dropout(classifier_dropout)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+
+class NPRFBertForQuestionAnswering(NPRFBertPreTrainedModel, BertForQuestionAnswering):
+    def __init__(self, config):
+        PreTrainedModel.__init__(self, config)
+        self.num_labels = config.num_labels
+        self.bert = NPRFBertModel(config, add_pooling_layer=False)
+        self.qa_outputs = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+
+class NPRFBertForMultipleChoice(NPRFBertPreTrainedModel, BertForMultipleChoice):
+    def __init__(self, config):
+        PreTrainedModel.__init__(self, config)
+        self.bert = NPRFBertModel(config)
+        classifier_dropout = (
+            config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+        )
+        self.dropout = nn.Dropout(classifier_dropout)
+        self.classifier = nn.Linear(config.hidden_size, 1)
+        self.post_init()
+
+
+# ---------------------------------------------------------------------------------------------
+# RoBERTa
+# ---------------------------------------------------------------------------------------------
+
+
+class NPRFRobertaEmbeddings(RobertaEmbeddings):
+    """RobertaEmbeddings (positions from padding_idx + 1); no position table when `position_embedding_type="none"`."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.position_embedding_type = config.position_embedding_type
+        if config.position_embedding_type == "none":
+            self.position_embeddings = None
+
+    def forward(self, input_ids=None, token_type_ids=None, position_ids=None, inputs_embeds=None, past_key_values_length=0):
+        input_shape = input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1]
+        seq_length = input_shape[1]
+        if token_type_ids is None:
+            device = input_ids.device if input_ids is not None else inputs_embeds.device
+            token_type_ids = torch.zeros(input_shape, dtype=torch.long, device=device)
+        if self.position_embeddings is not None and position_ids is None:
+            limit = self.position_embeddings.num_embeddings
+            if past_key_values_length + seq_length + self.padding_idx + 1 > limit:
+                raise _position_limit_error(past_key_values_length + seq_length + self.padding_idx + 1, limit)
+            if input_ids is not None:
+                position_ids = self.create_position_ids_from_input_ids(input_ids, self.padding_idx, past_key_values_length)
+            else:
+                position_ids = self.create_position_ids_from_inputs_embeds(inputs_embeds, self.padding_idx)
+        if inputs_embeds is None:
+            inputs_embeds = self.word_embeddings(input_ids)
+        embeddings = inputs_embeds + self.token_type_embeddings(token_type_ids)
+        if self.position_embeddings is not None:
+            embeddings = embeddings + self.position_embeddings(position_ids)
+        embeddings = self.LayerNorm(embeddings)
+        return self.dropout(embeddings)
+
+
+class NPRFRobertaPreTrainedModel(RobertaPreTrainedModel):
+    config: NPRFRobertaConfig
+    config_class = NPRFRobertaConfig
+    base_model_prefix = "roberta"
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _supports_attention_backend = False
+    _no_split_modules = ["NPRFRobertaEmbeddings", "NPRFLayer"]
+    _can_record_outputs = {
+        "hidden_states": NPRFLayer,
+        "attentions": NPRFSelfAttention,
+        "cross_attentions": BertCrossAttention,
+    }
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        _init_nprf_weights(module)
+
+
+class NPRFRobertaModel(NPRFRobertaPreTrainedModel, RobertaModel):
+    """RobertaModel with NPRF attention. Forward: as [`RobertaModel`]."""
+
+    def __init__(self, config, add_pooling_layer=True):
+        PreTrainedModel.__init__(self, config)
+        self.config = config
+        self.gradient_checkpointing = False
+        self.embeddings = NPRFRobertaEmbeddings(config)
+        self.encoder = NPRFEncoder(config)
+        self.pooler = RobertaPooler(config) if add_pooling_layer else None
+        self.post_init()
+
+    _create_attention_masks = create_nprf_attention_masks
+
+
+class NPRFRobertaForCausalLM(NPRFRobertaPreTrainedModel, RobertaForCausalLM):
+    """Causal LM: with `config.is_decoder=True` the NPRF self-attention is causal (unidirectional buckets)."""
+
+    def __init__(self, config):
+        PreTrainedModel.__init__(self, config)
+        if not config.is_decoder:
+            logger.warning("If you want to use `NPRFRobertaForCausalLM` as a standalone, add `is_decoder=True.`")
+        self.roberta = NPRFRobertaModel(config, add_pooling_layer=False)
+        self.lm_head = RobertaLMHead(config)
+        self.post_init()
+
+
+class NPRFRobertaForMaskedLM(NPRFRobertaPreTrainedModel, RobertaForMaskedLM):
+    def __init__(self, config):
+        PreTrainedModel.__init__(self, config)
+        if config.is_decoder:
+            logger.warning("NPRFRobertaForMaskedLM wants config.is_decoder=False for bi-directional self-attention.")
+        self.roberta = NPRFRobertaModel(config, add_pooling_layer=False)
+        self.lm_head = RobertaLMHead(config)
+        self.post_init()
+
+
+class NPRFRobertaForSequenceClassification(NPRFRobertaPreTrainedModel, RobertaForSequenceClassification):
+    def __init__(self, config):
+        PreTrainedModel.__init__(self, config)
+        self.num_labels = config.num_labels
+        self.config = config
+        self.roberta = NPRFRobertaModel(config, add_pooling_layer=False)
+        self.classifier = RobertaClassificationHead(config)
+        self.post_init()
+
+
+class NPRFRobertaForTokenClassification(NPRFRobertaPreTrainedModel, RobertaForTokenClassification):
+    def __init__(self, config):
+        PreTrainedModel.__init__(self, config)
+        self.num_labels = config.num_labels
+        self.roberta = NPRFRobertaModel(config, add_pooling_layer=False)
+        classifier_dropout = (
+            config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+        )
+        self.dropout = nn.Dropout(classifier_dropout)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+
+class NPRFRobertaForQuestionAnswering(NPRFRobertaPreTrainedModel, RobertaForQuestionAnswering):
+    def __init__(self, config):
+        PreTrainedModel.__init__(self, config)
+        self.num_labels = config.num_labels
+        self.roberta = NPRFRobertaModel(config, add_pooling_layer=False)
+        self.qa_outputs = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+
+class NPRFRobertaForMultipleChoice(NPRFRobertaPreTrainedModel, RobertaForMultipleChoice):
+    def __init__(self, config):
+        PreTrainedModel.__init__(self, config)
+        self.roberta = NPRFRobertaModel(config)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.classifier = nn.Linear(config.hidden_size, 1)
+        self.post_init()
+
+
+# ---------------------------------------------------------------------------------------------
+# Remote code: save_pretrained copies this file, configuration_nprf.py and functional.py next to
+# the weights; the configs carry the full auto_map (configuration_nprf.NPRF_*_AUTO_MAP).
+# ---------------------------------------------------------------------------------------------
+
+AUTO_CLASSES = {
+    "AutoModel": (NPRFBertModel, NPRFRobertaModel),
+    "AutoModelForMaskedLM": (NPRFBertForMaskedLM, NPRFRobertaForMaskedLM),
+    "AutoModelForSequenceClassification": (NPRFBertForSequenceClassification, NPRFRobertaForSequenceClassification),
+    "AutoModelForTokenClassification": (NPRFBertForTokenClassification, NPRFRobertaForTokenClassification),
+    "AutoModelForQuestionAnswering": (NPRFBertForQuestionAnswering, NPRFRobertaForQuestionAnswering),
+    "AutoModelForMultipleChoice": (NPRFBertForMultipleChoice, NPRFRobertaForMultipleChoice),
+    "AutoModelForCausalLM": (NPRFRobertaForCausalLM,),
+}
+for _auto_class, _model_classes in AUTO_CLASSES.items():
+    for _model_class in _model_classes:
+        _model_class.register_for_auto_class(_auto_class)
+NPRFBertConfig.register_for_auto_class()
+NPRFRobertaConfig.register_for_auto_class()
+
+
+__all__ = [
+    "NPRFBertModel",
+    "NPRFBertForMaskedLM",
+    "NPRFBertForSequenceClassification",
+    "NPRFBertForTokenClassification",
+    "NPRFBertForQuestionAnswering",
+    "NPRFBertForMultipleChoice",
+    "NPRFBertPreTrainedModel",
+    "NPRFRobertaModel",
+    "NPRFRobertaForMaskedLM",
+    "NPRFRobertaForSequenceClassification",
+    "NPRFRobertaForTokenClassification",
+    "NPRFRobertaForQuestionAnswering",
+    "NPRFRobertaForMultipleChoice",
+    "NPRFRobertaForCausalLM",
+    "NPRFRobertaPreTrainedModel",
+]
