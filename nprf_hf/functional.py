@@ -292,15 +292,12 @@ def _banded_toeplitz_attention(phi_q, phi_k, u, c, band_width, causal):
 
     # Near part: the window of slot p starts R chunks before it. Query a and window key w are at
     # distance r = w - R s - a; one [H, s, window] coefficient block serves every slot.
-    def windows(x):
-        flat = F.pad(x.view(-1, x.shape[-1]), (0, 0, reach * chunk, window - (reach + 1) * chunk))
-        return flat.unfold(0, window, chunk)  # [B*H*slots, features, window], a view
+    def extend(x):  # [B*H*slots, s, f] -> [rows, f], zero rows so that slot p's window starts at row p*s
+        return F.pad(x.view(-1, x.shape[-1]), (0, 0, reach * chunk, window - (reach + 1) * chunk))
 
     offsets = torch.arange(window, device=c.device)[None, :] - reach * chunk - torch.arange(chunk, device=c.device)[:, None]
     coefficients = c[:, (offsets + n - 1).clamp(0, 2 * n - 2)]  # [H, s, window]; clamped entries meet zero keys
-    scores = torch.bmm(q_slots, windows(k_slots)).view(batch, heads, slots, chunk * window)
-    weights = (scores * coefficients.view(heads, 1, chunk * window)).view(-1, chunk, window)
-    out = torch.bmm(weights, windows(u_slots).transpose(-1, -2))  # [B*H*slots, s, e]
+    out = _BandWindowProduct.apply(q_slots, extend(k_slots), extend(u_slots), coefficients, batch)
 
     # Far part: prefix sums of the chunk states up to slot p-R-1 (and suffix sums from slot p+R+1).
     states = (k_slots.transpose(-1, -2) @ u_slots).view(batch, heads, slots, m * e)
@@ -311,6 +308,57 @@ def _banded_toeplitz_attention(phi_q, phi_k, u, c, band_width, causal):
         far = far + c[:, -1:, None] * F.pad(suffix[:, :, shift:], (0, 0, 0, shift))
     out = torch.baddbmm(out, q_slots, far.view(-1, m, e)).view(batch, heads, slots, chunk, e)
     return out[:, :, reach : reach + num_chunks].reshape(batch, heads, padded, e)[:, :, :n]
+
+
+class _BandWindowProduct(torch.autograd.Function):
+    """out[p] = ((q[p] @ K_p) * coefficients) @ U_p for every slot p, K_p / U_p its window of keys.
+
+    q: [B*H*slots, s, m]; k_rows: [rows, m], u_rows: [rows, e] with slot p's window at rows
+    p*s .. p*s + window; coefficients: [H, s, window]. The [slots, s, window] weights are the
+    largest tensors of the banded algorithm: forward scales them in place, and backward recomputes
+    them instead of keeping them, which saves memory and memory traffic.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k_rows, u_rows, coefficients, batch):
+        heads, chunk, window = coefficients.shape
+        weights = torch.bmm(q, k_rows.unfold(0, window, chunk))
+        weights.view(batch, heads, -1, chunk * window).mul_(coefficients.view(heads, 1, chunk * window))
+        ctx.save_for_backward(q, k_rows, u_rows, coefficients)
+        ctx.batch = batch
+        return torch.bmm(weights, u_rows.unfold(0, window, chunk).transpose(-1, -2))
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k_rows, u_rows, coefficients = ctx.saved_tensors
+        heads, chunk, window = coefficients.shape
+        flat = (ctx.batch, heads, -1, chunk * window)
+        k_windows = k_rows.unfold(0, window, chunk)  # [P, m, window]
+        u_windows = u_rows.unfold(0, window, chunk)  # [P, e, window]
+        grad_out = grad_out.contiguous()
+        scores = torch.bmm(q, k_windows)
+        grad_weights = torch.bmm(grad_out, u_windows)
+        grad_coefficients = None
+        if ctx.needs_input_grad[3]:
+            grad_coefficients = (scores * grad_weights).view(flat).sum((0, 2)).view(heads, chunk, window)
+        scale = coefficients.view(heads, 1, chunk * window)
+        weights = scores.view(flat).mul_(scale).view_as(scores)
+        grad_u = _fold_windows(torch.bmm(weights.transpose(-1, -2), grad_out), u_rows.shape[0], chunk)
+        grad_scores = grad_weights.view(flat).mul_(scale).view_as(grad_weights)
+        grad_q = torch.bmm(grad_scores, k_windows.transpose(-1, -2))
+        grad_k = _fold_windows(torch.bmm(grad_scores.transpose(-1, -2), q), k_rows.shape[0], chunk)
+        return grad_q, grad_k, grad_u, grad_coefficients, None
+
+
+def _fold_windows(window_grads, rows, chunk):
+    """Sum the gradients of overlapping windows back onto rows: [P, window, f] -> [rows, f]."""
+    slots, window, features = window_grads.shape
+    out = window_grads.new_zeros(rows, features)
+    for block in range(window // chunk):  # window_grads[p, block] belongs to rows (p + block) * s ...
+        out[block * chunk : (block + slots) * chunk].view(slots, chunk, features).add_(
+            window_grads[:, block * chunk : (block + 1) * chunk]
+        )
+    return out
 
 
 def _banded_chunking(band_width):

@@ -1,0 +1,298 @@
+#!/usr/bin/env python
+# Copyright 2025 The nprf-hf authors. Licensed under the Apache License, Version 2.0.
+"""Fine-tune any HF sequence-classification model on GLUE with the `Trainer`.
+
+Shaped like transformers' `examples/pytorch/text-classification/run_glue.py`, updated for
+transformers 5, with the data and metric code in `nprf_hf.glue` (shared with
+`run_glue_no_trainer.py`). Softmax baselines and NPRF models use the same script;
+`--convert_to_nprf` converts a softmax checkpoint on the fly.
+
+Data: `--task_name` (one of the nine GLUE tasks) from the Hub (`nyu-mll/glue`), or from the original
+`glue_data` TSV release with `--glue_dir`, or custom `--train_file/--validation_file` (csv/tsv/json).
+
+    # offline, from the glue_data TSVs, converted from a softmax checkpoint
+    python examples/run_glue.py --model_name_or_path <bert dir> --convert_to_nprf \
+        --task_name sst2 --glue_dir ../shared/data/glue --do_train --do_eval --output_dir out/sst2
+
+    # from the Hub
+    python examples/run_glue.py --model_name_or_path roberta-base --task_name sst2 \
+        --do_train --do_eval --output_dir out/sst2
+
+Runs under `accelerate launch` / `torchrun` too. Writes `eval_results.json` (and `all_results.json`)
+into `--output_dir`.
+"""
+
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Optional
+
+import transformers
+from transformers import (
+    AutoConfig,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    DataCollatorWithPadding,
+    HfArgumentParser,
+    Trainer,
+    TrainingArguments,
+    default_data_collator,
+    set_seed,
+)
+
+try:
+    from nprf_hf import glue
+except ImportError:  # running from a source checkout without `pip install -e .`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from nprf_hf import glue
+
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DataTrainingArguments:
+    """What data to train and evaluate on."""
+
+    task_name: Optional[str] = field(
+        default=None, metadata={"help": "GLUE task: " + ", ".join(glue.GLUE_TASKS) + " (sst-2, CoLA, ... work too)."}
+    )
+    glue_dir: Optional[str] = field(
+        default=None,
+        metadata={"help": "Read the task from the original glue_data TSVs: the glue_data root or the task's folder."},
+    )
+    train_file: Optional[str] = field(default=None, metadata={"help": "csv/tsv/json(l) training file."})
+    validation_file: Optional[str] = field(default=None, metadata={"help": "csv/tsv/json(l) validation file."})
+    test_file: Optional[str] = field(default=None, metadata={"help": "csv/tsv/json(l) prediction file."})
+    max_seq_length: int = field(default=128, metadata={"help": "Longer inputs are truncated."})
+    pad_to_max_length: bool = field(
+        default=False, metadata={"help": "Pad every input to max_seq_length (default: pad per batch)."}
+    )
+    max_train_samples: Optional[int] = field(default=None, metadata={"help": "Use only the first N training rows."})
+    max_eval_samples: Optional[int] = field(default=None, metadata={"help": "Use only the first N rows of each eval split."})
+    max_predict_samples: Optional[int] = field(default=None, metadata={"help": "Use only the first N test rows."})
+    preprocessing_num_workers: Optional[int] = field(default=None, metadata={"help": "Processes for tokenizing."})
+
+    def __post_init__(self):
+        if self.task_name is not None:
+            self.task_name = glue.normalize_task_name(self.task_name)
+        elif self.glue_dir is not None:
+            raise ValueError("--glue_dir needs --task_name (one of: " + ", ".join(glue.GLUE_TASKS) + ")")
+        elif self.train_file is None and self.validation_file is None:
+            raise ValueError("give --task_name, or --train_file / --validation_file")
+
+
+@dataclass
+class ModelArguments:
+    """Which model, config and tokenizer to fine-tune."""
+
+    model_name_or_path: str = field(metadata={"help": "Checkpoint: local directory or Hub id."})
+    config_name: Optional[str] = field(default=None, metadata={"help": "Config, if not the model's."})
+    tokenizer_name: Optional[str] = field(default=None, metadata={"help": "Tokenizer, if not the model's."})
+    cache_dir: Optional[str] = field(default=None, metadata={"help": "Where Hub downloads are stored."})
+    model_revision: str = field(default="main", metadata={"help": "Hub branch, tag or commit."})
+    token: Optional[str] = field(default=None, metadata={"help": "Hub token (default: the cached login)."})
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "Allow modeling code from the checkpoint (e.g. a saved NPRF model)."}
+    )
+    ignore_mismatched_sizes: bool = field(
+        default=False, metadata={"help": "Re-initialise a classifier head of another size."}
+    )
+    convert_to_nprf: bool = field(
+        default=False, metadata={"help": "Convert the (softmax) model to NPRF attention before training."}
+    )
+    nprf_config: Optional[str] = field(
+        default=None,
+        metadata={"help": 'JSON of arguments for nprf_hf.convert_to_nprf, e.g. \'{"num_random_features": 128}\'.'},
+    )
+
+
+def parse_args(argv=None):
+    parser = HfArgumentParser((ModelArguments, DataTrainingArguments, TrainingArguments))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if len(argv) == 1 and argv[0].endswith(".json"):
+        return parser.parse_json_file(json_file=os.path.abspath(argv[0]))
+    return parser.parse_args_into_dataclasses(args=argv)
+
+
+def load_model_and_tokenizer(model_args, num_labels, task_name):
+    hub_kwargs = dict(
+        cache_dir=model_args.cache_dir,
+        revision=model_args.model_revision,
+        token=model_args.token,
+        trust_remote_code=model_args.trust_remote_code,
+    )
+    config = AutoConfig.from_pretrained(
+        model_args.config_name or model_args.model_name_or_path,
+        num_labels=num_labels,
+        finetuning_task=task_name,
+        **hub_kwargs,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_args.model_name_or_path, **hub_kwargs)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        model_args.model_name_or_path,
+        config=config,
+        ignore_mismatched_sizes=model_args.ignore_mismatched_sizes,
+        **hub_kwargs,
+    )
+    if model_args.convert_to_nprf:
+        import nprf_hf
+
+        overrides = json.loads(model_args.nprf_config) if model_args.nprf_config else {}
+        if not isinstance(overrides, dict):
+            raise ValueError(f"--nprf_config must be a JSON object, got {model_args.nprf_config!r}")
+        model = nprf_hf.convert_to_nprf(model, tokenizer=tokenizer, **overrides)
+        logger.info("Converted to %s", type(model).__name__)
+    elif model_args.nprf_config:
+        raise ValueError("--nprf_config is only used with --convert_to_nprf")
+    return model, tokenizer
+
+
+def main(argv=None):
+    model_args, data_args, training_args = parse_args(argv)
+
+    logging.basicConfig(
+        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
+        datefmt="%m/%d/%Y %H:%M:%S",
+        handlers=[logging.StreamHandler(sys.stdout)],
+    )
+    log_level = training_args.get_process_log_level()
+    logger.setLevel(log_level)
+    glue.logger.setLevel(log_level)
+    transformers.utils.logging.set_verbosity(log_level)
+    transformers.utils.logging.enable_default_handler()
+    transformers.utils.logging.enable_explicit_format()
+    logger.warning(
+        "Process rank: %s, world size: %s, device: %s",
+        training_args.process_index,
+        training_args.world_size,
+        training_args.device,
+    )
+    logger.info("Training/evaluation parameters %s", training_args)
+
+    set_seed(training_args.seed)
+
+    # Data: the same columns from the Hub, a glue_data directory or local files.
+    raw_datasets = glue.load_glue_raw(
+        task_name=data_args.task_name,
+        glue_dir=data_args.glue_dir,
+        train_file=data_args.train_file,
+        validation_file=data_args.validation_file,
+        test_file=data_args.test_file,
+        cache_dir=model_args.cache_dir,
+        token=model_args.token,
+    )
+    info = glue.glue_task_info(raw_datasets, data_args.task_name)
+
+    model, tokenizer = load_model_and_tokenizer(model_args, info.num_labels, info.task_name)
+    label_to_id, label2id = glue.resolve_label_ids(info, getattr(model.config, "label2id", None))
+    if label2id is not None:
+        model.config.label2id = label2id
+        model.config.id2label = {i: name for name, i in label2id.items()}
+
+    if training_args.do_train and "train" not in raw_datasets:
+        raise ValueError(f"--do_train needs a train split; have {list(raw_datasets)}")
+    if training_args.do_eval and not info.eval_splits:
+        raise ValueError(f"--do_eval needs a validation split; have {list(raw_datasets)}")
+    if training_args.do_predict and not info.test_splits:
+        raise ValueError(f"--do_predict needs a test split; have {list(raw_datasets)}")
+    needed = (
+        (["train"] if training_args.do_train else [])
+        + (info.eval_splits if training_args.do_eval else [])
+        + (info.test_splits if training_args.do_predict else [])
+    )
+    max_samples = {"train": data_args.max_train_samples}
+    max_samples.update({s: data_args.max_eval_samples for s in info.eval_splits})
+    max_samples.update({s: data_args.max_predict_samples for s in info.test_splits})
+    raw_datasets = type(raw_datasets)({s: glue.take_first(raw_datasets[s], max_samples[s]) for s in needed})
+
+    with training_args.main_process_first(desc="dataset map pre-processing"):
+        datasets = glue.tokenize_glue(
+            raw_datasets,
+            info,
+            tokenizer,
+            max_seq_length=data_args.max_seq_length,
+            label_to_id=label_to_id,
+            pad_to_max_length=data_args.pad_to_max_length,
+            num_proc=data_args.preprocessing_num_workers,
+        )
+
+    if data_args.pad_to_max_length:
+        data_collator = default_data_collator
+    else:
+        pad_to_multiple_of = 8 if (training_args.fp16 or training_args.bf16) else None
+        data_collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
+
+    # The transformers 5 Trainer takes a forward(**kwargs) to consume `num_items_in_batch`: it then
+    # multiplies the loss by the number of processes and skips the division by the accumulation
+    # steps. Sequence-classification heads return a per-batch mean, so turn that off.
+    model.accepts_loss_kwargs = False
+
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=datasets["train"] if training_args.do_train else None,
+        eval_dataset=datasets[info.eval_splits[0]] if training_args.do_eval else None,
+        compute_metrics=glue.make_compute_metrics(info.task_name, info.is_regression),
+        processing_class=tokenizer,
+        data_collator=data_collator,
+    )
+
+    if training_args.do_train:
+        train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        metrics = train_result.metrics
+        metrics["train_samples"] = len(datasets["train"])
+        trainer.save_model()  # also saves the tokenizer
+        trainer.log_metrics("train", metrics)
+        trainer.save_metrics("train", metrics)
+        trainer.save_state()
+
+    if training_args.do_eval:
+        logger.info("*** Evaluate ***")
+        combined = {}
+        for split in info.eval_splits:
+            metrics = trainer.evaluate(eval_dataset=datasets[split])
+            metrics["eval_samples"] = len(datasets[split])
+            suffix = glue.metric_suffix(split)
+            combined.update({k + suffix: v for k, v in metrics.items()})
+        trainer.log_metrics("eval", combined)
+        trainer.save_metrics("eval", combined)  # eval_results.json, on the main process only
+        if trainer.is_world_process_zero():
+            logger.warning(
+                "Wrote %s (process %d of %d)",
+                os.path.join(training_args.output_dir, "eval_results.json"),
+                training_args.process_index,
+                training_args.world_size,
+            )
+
+    if training_args.do_predict:
+        logger.info("*** Predict ***")
+        for split in info.test_splits:
+            test_dataset = datasets[split].remove_columns("labels")
+            outputs = trainer.predict(test_dataset, metric_key_prefix="predict").predictions
+            outputs = outputs[0] if isinstance(outputs, tuple) else outputs
+            predictions = glue.predictions_from_outputs(outputs, info.is_regression)
+            name = f"predict_results_{info.task_name or 'data'}{glue.metric_suffix(split)}.txt"
+            if trainer.is_world_process_zero():
+                with open(os.path.join(training_args.output_dir, name), "w") as writer:
+                    writer.write("index\tprediction\n")
+                    for index, item in enumerate(predictions):
+                        if info.is_regression:
+                            writer.write(f"{index}\t{item:3.3f}\n")
+                        else:
+                            writer.write(f"{index}\t{model.config.id2label[int(item)]}\n")
+
+    kwargs = {"finetuned_from": model_args.model_name_or_path, "tasks": "text-classification"}
+    if info.task_name is not None:
+        kwargs.update(language="en", dataset_tags="glue", dataset_args=info.task_name, dataset=f"GLUE {info.task_name.upper()}")
+    if training_args.push_to_hub:
+        trainer.push_to_hub(**kwargs)
+    elif training_args.do_train:
+        trainer.create_model_card(**kwargs)
+    return combined if training_args.do_eval else None
+
+
+if __name__ == "__main__":
+    main()
