@@ -131,8 +131,8 @@ def sdpa_step(inputs, backward):
 
 def fft_floor_step(batch, heads, n, d, m, device):
     length = Fn._fft_length(2 * n - 1)
-    channels = torch.randn(batch * heads, m, d + 1, n, device=device)
-    return lambda: torch.fft.irfft(torch.fft.rfft(channels, n=length), n=length)
+    channels = F.pad(torch.randn(batch * heads, m, d + 1, n, device=device), (0, length - n))  # as the fft path pads
+    return lambda: torch.fft.irfft(torch.fft.rfft(channels), n=length)
 
 
 def fits(name, batch, heads, n, backward, budget_bytes):

@@ -27,11 +27,13 @@ FEATURE_MAPS = ("orf", "prf")
 # Smallest chunk of the banded algorithm: below this the chunked matmuls are too small to be fast.
 BANDED_MIN_CHUNK = 16
 BANDED_REACH = 1
-# `auto` crossovers, measured with benchmarks/attention.py on a 2-core CPU (B=1, H=12, d=64, m=64):
-# dense is fastest while n <= AUTO_DENSE_FACTOR * (window of the banded algorithm); without a band,
-# fft beats dense from AUTO_FFT_MIN_LENGTH tokens on.
-AUTO_DENSE_FACTOR = 1.0
-AUTO_FFT_MIN_LENGTH = 2048
+# `auto` crossovers, measured on the 2-core CPU (B=1, H=12, d=64, m=64, forward and forward+backward):
+# with a band, dense beats banded up to n ~ 1.3 x the banded window (about 435 tokens for T5's
+# default buckets: 384 -> dense, 512 -> banded); without a band (a bias learned per distance),
+# fft only beats dense from about 8192 tokens (dense at 2048: 0.46 s vs fft 1.95 s forward, one
+# thread), where dense's n x n weights also stop fitting in memory.
+AUTO_DENSE_FACTOR = 1.3
+AUTO_FFT_MIN_LENGTH = 8192
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,11 +257,14 @@ def _fft_toeplitz_attention(phi_q, phi_k, u, c):
     zeros = c.new_zeros(c.shape[0], length - (2 * n - 1))
     kernel = torch.cat([c[:, :n].flip(-1), zeros, c[:, n:].flip(-1)], dim=-1)
     kernel_f = torch.fft.rfft(kernel, n=length)  # [H, length // 2 + 1]
+    scale_in_place = not (kernel_f.requires_grad and torch.is_grad_enabled())  # else mul needs the spectrum
     heads = []
     for h in range(phi_q.shape[1]):
         channels = phi_k[:, h].transpose(-1, -2).unsqueeze(2) * u[:, h].transpose(-1, -2).unsqueeze(1)  # [B, m, e, n]
-        toeplitz = torch.fft.irfft(torch.fft.rfft(channels, n=length) * kernel_f[h], n=length)[..., :n]
-        heads.append(torch.einsum("bnm,bmen->bne", phi_q[:, h], toeplitz))
+        spectrum = torch.fft.rfft(F.pad(channels, (0, length - n)))  # padding first is much faster than rfft(n=)
+        spectrum = spectrum.mul_(kernel_f[h]) if scale_in_place else spectrum * kernel_f[h]
+        toeplitz = torch.fft.irfft(spectrum, n=length)[..., :n]  # D_i for every i: [B, m, e, n]
+        heads.append((toeplitz * phi_q[:, h].transpose(-1, -2).unsqueeze(2)).sum(1).transpose(-1, -2))
     return torch.stack(heads, dim=1)
 
 
