@@ -47,6 +47,7 @@ try:
 except ImportError:  # running from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from nprf_hf import glue
+from nprf_hf.modelcard import push_nprf_to_hub
 
 
 logger = logging.getLogger(__name__)
@@ -230,6 +231,12 @@ def main(argv=None):
     # steps. Sequence-classification heads return a per-batch mean, so turn that off.
     model.accepts_loss_kwargs = False
 
+    # An NPRF model is pushed once at the end, with its remote code and an NPRF model card; the
+    # Trainer's own pushes would upload transformers' generic card.
+    push_nprf = training_args.push_to_hub and model.config.model_type.startswith("nprf_")
+    if push_nprf:
+        training_args.push_to_hub = False
+
     trainer = Trainer(
         model=model,
         args=training_args,
@@ -287,7 +294,15 @@ def main(argv=None):
     kwargs = {"finetuned_from": model_args.model_name_or_path, "tasks": "text-classification"}
     if info.task_name is not None:
         kwargs.update(language="en", dataset_tags="glue", dataset_args=info.task_name, dataset=f"GLUE {info.task_name.upper()}")
-    if training_args.push_to_hub:
+    if push_nprf:
+        if trainer.is_world_process_zero():
+            repo_id = training_args.hub_model_id or os.path.basename(os.path.abspath(training_args.output_dir))
+            base_model = None if os.path.isdir(model_args.model_name_or_path) else model_args.model_name_or_path
+            push_nprf_to_hub(
+                training_args.output_dir, repo_id, card_kwargs={"task_name": info.task_name, "base_model": base_model},
+                token=training_args.hub_token,
+            )
+    elif training_args.push_to_hub:
         trainer.push_to_hub(**kwargs)
     elif training_args.do_train:
         trainer.create_model_card(**kwargs)

@@ -44,6 +44,7 @@ try:
 except ImportError:  # running from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from nprf_hf import glue
+from nprf_hf.modelcard import push_nprf_to_hub
 
 
 logger = get_logger(__name__)
@@ -393,7 +394,12 @@ def main(argv=None):
                 f"(process {accelerator.process_index} of {accelerator.num_processes})",
                 main_process_only=False,
             )
-            if args.push_to_hub:
+            if args.push_to_hub and unwrapped_model.config.model_type.startswith("nprf_"):
+                push_nprf_to_hub(
+                    args.output_dir, repo_id, card_kwargs={"task_name": info.task_name},
+                    token=args.hub_token, commit_message="End of training",
+                )
+            elif args.push_to_hub:
                 api.upload_folder(
                     repo_id=repo_id,
                     folder_path=args.output_dir,

@@ -105,13 +105,15 @@ def _mask_to_bool(attention_mask):
     return ~blocked
 
 
-def split_attention_mask(attention_mask, query_length, key_length, causal):
+def split_attention_mask(attention_mask, query_length, key_length, causal, batch_size=None, num_heads=None):
     """Split an attention mask into what NPRF attention can apply fast and what it cannot.
 
     Args:
         attention_mask: None, a key padding mask [B, key_length] (True/1 = keep), or a 4D HF mask
             [B, 1 or H, query_length, key_length]; queries are the last `query_length` positions.
         causal: whether the attention is causal (`is_decoder`).
+        batch_size, num_heads: when given, the mask's batch size must equal `batch_size` and its
+            head dim be 1 or `num_heads` (no silent broadcasting of a mask over the batch).
     Returns:
         (key_padding_mask [B, key_length] bool or None, general_mask bool [B, 1|H, Lq, Lk] or None).
         The general mask is returned only when the 4D mask is not a padding mask (+ the causal
@@ -120,16 +122,24 @@ def split_attention_mask(attention_mask, query_length, key_length, causal):
     """
     if attention_mask is None:
         return None, None
+    batch = "batch" if batch_size is None else f"batch={batch_size}"
+    batch_ok = batch_size is None or attention_mask.shape[0] == batch_size
     if attention_mask.dim() == 2:
-        if attention_mask.shape[-1] != key_length:
+        if attention_mask.shape[-1] != key_length or not batch_ok:
             raise ValueError(
-                f"2D attention_mask must be [batch, {key_length}] (1 = keep), got {tuple(attention_mask.shape)}"
+                f"2D attention_mask must be [{batch}, key_length={key_length}] (1 = keep), got {tuple(attention_mask.shape)}"
             )
         return attention_mask.bool(), None
-    if attention_mask.dim() != 4 or attention_mask.shape[-2:] != (query_length, key_length):
+    heads = "1" if num_heads is None else f"1 or num_heads={num_heads}"
+    if (
+        attention_mask.dim() != 4
+        or attention_mask.shape[-2:] != (query_length, key_length)
+        or not batch_ok
+        or attention_mask.shape[1] not in (1, num_heads or 1)
+    ):
         raise ValueError(
-            f"attention_mask must be [batch, key_length] or [batch, 1, {query_length}, {key_length}], "
-            f"got {tuple(attention_mask.shape)}"
+            f"attention_mask must be [{batch}, key_length={key_length}] or [{batch}, {heads}, "
+            f"query_length={query_length}, key_length={key_length}], got {tuple(attention_mask.shape)}"
         )
     keep = _mask_to_bool(attention_mask)
     key_padding_mask = keep.any(dim=2).any(dim=1)  # a key is real if some query may attend to it
@@ -229,7 +239,9 @@ class NPRFSelfAttention(BertSelfAttention):
         rpe_bias = relative_position_bias(
             table, key_length, self.bidirectional, self.config.rpe_num_buckets, self.config.rpe_max_distance
         )
-        key_padding_mask, general_mask = split_attention_mask(attention_mask, query_length, key_length, self.is_causal)
+        key_padding_mask, general_mask = split_attention_mask(
+            attention_mask, query_length, key_length, self.is_causal, query.shape[0], self.num_attention_heads
+        )
 
         output_attentions = kwargs.get("output_attentions")
         if output_attentions is None:
@@ -263,11 +275,15 @@ class NPRFSelfAttention(BertSelfAttention):
                     query, key, rpe_bias, self.projection, key_padding_mask=key_padding_mask, causal=self.is_causal
                 )[:, :, first:]
         else:
-            # Exact for any mask: restrict the unmasked weights to the allowed keys and renormalize.
-            weights = nprf_attention_weights(query, key, rpe_bias, self.projection)[:, :, first:] * general_mask
+            # Exact for any mask: restrict the unmasked weights to the allowed keys and renormalize, in
+            # float32 for half inputs (the allowed keys' share of a row can underflow float16).
+            compute_dtype = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
+            weights = nprf_attention_weights(query.to(compute_dtype), key.to(compute_dtype), rpe_bias, self.projection)
+            weights = weights[:, :, first:] * general_mask
             total = weights.sum(-1, keepdim=True)
             attn_weights = weights / torch.where(total > 0, total, torch.ones_like(total))
-            attn_output = attn_weights @ value
+            attn_output = (attn_weights @ value.to(compute_dtype)).to(value.dtype)
+            attn_weights = attn_weights.to(value.dtype)
 
         attn_output = attn_output.transpose(1, 2).reshape(*input_shape, -1).contiguous()
         return attn_output, (attn_weights if output_attentions else None)
@@ -344,8 +360,15 @@ class NPRFEncoder(BertEncoder):
         self.maybe_redraw_projections()
         if attention_mask is not None and attention_mask.dim() == 4:
             # Once for all layers: a padding (+ causal) mask becomes a [B, Lk] key padding mask.
+            batch_size, query_length = hidden_states.shape[:2]
+            past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
             key_padding_mask, _ = split_attention_mask(
-                attention_mask, hidden_states.shape[1], attention_mask.shape[-1], self.config.is_decoder
+                attention_mask,
+                query_length,
+                past_length + query_length,
+                self.config.is_decoder,
+                batch_size,
+                self.config.num_attention_heads,
             )
             if key_padding_mask is not None:
                 attention_mask = key_padding_mask
@@ -366,6 +389,27 @@ class NPRFEncoder(BertEncoder):
         )
 
 
+def check_model_attention_mask(attention_mask, batch_size):
+    """The self-attention mask a model accepts: a 2D padding mask [B, L] of 0/1 or bool (1 = keep),
+    or a prepared 4D mask [B, 1 or H, Lq, Lk]; never broadcast over the batch."""
+    if attention_mask.dim() not in (2, 4):
+        raise ValueError(
+            "attention_mask must be 2D [batch, seq_len] (1 = keep, 0 = padding) or a 4D mask "
+            f"[batch, 1, query_len, key_len], got a {attention_mask.dim()}D tensor of shape {tuple(attention_mask.shape)}"
+        )
+    if attention_mask.shape[0] != batch_size:
+        raise ValueError(
+            f"attention_mask has batch size {attention_mask.shape[0]} but the input has batch size {batch_size} "
+            f"(shape {tuple(attention_mask.shape)}; a mask is not broadcast over the batch)"
+        )
+    if attention_mask.dim() == 2 and attention_mask.dtype != torch.bool and not torch.compiler.is_compiling():
+        if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+            raise ValueError(
+                "2D attention_mask must hold only 0/1 or booleans (1 = keep, 0 = padding); got other values "
+                "(an additive 0 / -inf mask? pass the tokenizer's 0/1 mask instead)"
+            )
+
+
 def create_nprf_attention_masks(
     model, attention_mask, encoder_attention_mask, embedding_output, encoder_hidden_states, past_key_values
 ):
@@ -373,6 +417,8 @@ def create_nprf_attention_masks(
     (the tokenizer's) stays a bool key padding mask and None stays None (causality comes from
     `is_decoder`), so no L x L mask is ever built; a 4D mask goes through HF's builders as in BERT.
     The cross-attention mask is HF's, unchanged."""
+    if attention_mask is not None:
+        check_model_attention_mask(attention_mask, embedding_output.shape[0])
     if attention_mask is not None and attention_mask.dim() != 2:
         return BertModel._create_attention_masks(
             model, attention_mask, encoder_attention_mask, embedding_output, encoder_hidden_states, past_key_values
@@ -409,6 +455,31 @@ def _position_limit_error(length, limit):
     )
 
 
+def check_embedding_ids(embeddings, input_ids=None, token_type_ids=None, position_ids=None):
+    """A ValueError naming the field, instead of an embedding's IndexError, for ids out of range.
+    Skipped under torch.compile (it reads the ids' range on the host)."""
+    if torch.compiler.is_compiling():
+        return
+    checks = [
+        (input_ids, embeddings.word_embeddings, "input_ids", "vocab_size"),
+        (token_type_ids, embeddings.token_type_embeddings, "token_type_ids", "type_vocab_size"),
+        (position_ids, embeddings.position_embeddings, "position_ids", "max_position_embeddings"),
+    ]
+    for ids, table, name, field in checks:
+        if ids is None or table is None or ids.numel() == 0:
+            continue
+        limit = table.num_embeddings
+        low, high = (int(v) for v in torch.aminmax(ids))
+        if low < 0 or high >= limit:
+            hint = ""
+            if name == "position_ids":
+                hint = (
+                    "; extend the table with `nprf-hf convert --max-position-embeddings N` or use "
+                    "position_embedding_type='none' (relative positions only, any length)"
+                )
+            raise ValueError(f"{name} must lie in [0, {field}={limit}), got values in [{low}, {high}]{hint}")
+
+
 # ---------------------------------------------------------------------------------------------
 # BERT
 # ---------------------------------------------------------------------------------------------
@@ -424,6 +495,7 @@ class NPRFBertEmbeddings(BertEmbeddings):
             self.position_embeddings = None
 
     def forward(self, input_ids=None, token_type_ids=None, position_ids=None, inputs_embeds=None, past_key_values_length=0):
+        check_embedding_ids(self, input_ids, token_type_ids, position_ids)
         input_shape = input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1]
         seq_length = input_shape[1]
         if inputs_embeds is None:
@@ -450,6 +522,9 @@ class NPRFBertPreTrainedModel(BertPreTrainedModel):
     _supports_flex_attn = False
     _supports_attention_backend = False
     _no_split_modules = ["NPRFBertEmbeddings", "NPRFLayer"]
+    # The heads' losses are batch means that ignore `num_items_in_batch`: tell the Trainer, or it scales
+    # them by the number of processes and skips the division by the accumulation steps.
+    accepts_loss_kwargs = False
     _can_record_outputs = {
         "hidden_states": NPRFLayer,
         "attentions": NPRFSelfAttention,
@@ -550,6 +625,7 @@ class NPRFRobertaEmbeddings(RobertaEmbeddings):
             self.position_embeddings = None
 
     def forward(self, input_ids=None, token_type_ids=None, position_ids=None, inputs_embeds=None, past_key_values_length=0):
+        check_embedding_ids(self, input_ids, token_type_ids, position_ids)
         input_shape = input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1]
         seq_length = input_shape[1]
         if token_type_ids is None:
@@ -580,6 +656,9 @@ class NPRFRobertaPreTrainedModel(RobertaPreTrainedModel):
     _supports_flex_attn = False
     _supports_attention_backend = False
     _no_split_modules = ["NPRFRobertaEmbeddings", "NPRFLayer"]
+    # The heads' losses are batch means that ignore `num_items_in_batch`: tell the Trainer, or it scales
+    # them by the number of processes and skips the division by the accumulation steps.
+    accepts_loss_kwargs = False
     _can_record_outputs = {
         "hidden_states": NPRFLayer,
         "attentions": NPRFSelfAttention,

@@ -242,6 +242,39 @@ def test_run_glue_push_to_hub(tiny_model, tmp_path, monkeypatch):
     assert {"config.json", "model.safetensors", "tokenizer.json", "README.md"} <= set(files)
 
 
+def test_run_glue_push_to_hub_nprf_uploads_code_and_card(tiny_model, tmp_path):
+    """A converted NPRF model goes up in one commit with its remote code and an NPRF model card."""
+    from unittest import mock
+
+    from huggingface_hub import HfApi
+
+    commits = []
+
+    def create_repo(self, repo_id, **kwargs):
+        return SimpleNamespace(repo_id=f"someone/{repo_id}")
+
+    def create_commit(self, repo_id, operations, **kwargs):
+        commits.append((repo_id, {op.path_in_repo: op.path_or_fileobj for op in operations}))
+        card = [op.path_or_fileobj for op in operations if op.path_in_repo == "README.md"][0]
+        commits[-1] += (open(card).read(),)
+        return SimpleNamespace(oid="0" * 40)
+
+    write_tsv(tmp_path / "SST-2" / "train.tsv", [["sentence", "label"]] + [["nice", "1"], ["awful", "0"]] * 2)
+    write_tsv(tmp_path / "SST-2" / "dev.tsv", [["sentence", "label"], ["nice", "1"], ["awful", "0"]])
+    with mock.patch.object(HfApi, "create_repo", create_repo), mock.patch.object(HfApi, "create_commit", create_commit):
+        run_glue.main([
+            "--model_name_or_path", tiny_model, "--convert_to_nprf", "--task_name", "sst2", "--glue_dir", str(tmp_path),
+            "--do_train", "--do_eval", "--max_steps", "1", "--output_dir", str(tmp_path / "nprf-model"),
+            "--save_strategy", "no", "--push_to_hub",
+        ])
+    assert len(commits) == 1
+    repo_id, files, card = commits[0]
+    assert repo_id == "someone/nprf-model"
+    assert {"model.safetensors", "config.json", "configuration_nprf.py", "modeling_nprf.py", "functional.py",
+            "tokenizer.json", "README.md"} <= set(files)
+    assert "trust_remote_code=True" in card and "model-index" in card and "accuracy" in card
+
+
 # ----------------------------------------------------------------------------------------------
 # run_glue_no_trainer.py (Accelerate)
 # ----------------------------------------------------------------------------------------------

@@ -379,6 +379,8 @@ def test_trainer_lowers_the_loss(tmp_path):
         seed=0,
     )
     trainer = Trainer(model=model, args=args, train_dataset=examples)
+    # our heads' losses are batch means: the Trainer must not rescale them for num_items_in_batch
+    assert trainer.model_accepts_loss_kwargs is False
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(losses) >= 4

@@ -1,0 +1,283 @@
+#!/usr/bin/env python
+# Copyright 2025 The nprf-hf authors. Licensed under the Apache License, Version 2.0.
+"""Masked-language-model uptraining of an NPRF model (converted or fresh) or a softmax baseline.
+
+Plain text files in, blocks of `--max_seq_length` tokens ([CLS] ... [SEP]) out, Trainer for the
+loop. Evaluation masks are drawn once with a fixed seed, so eval losses of different models are on
+the same masked tokens; `eval_results.json` holds eval_loss and perplexity.
+
+    # uptrain a converted checkpoint (`nprf-hf convert ... OUT`)
+    python examples/run_mlm.py --model_name_or_path OUT \\
+        --train_file ../shared/data/wikitext-2/valid.txt --validation_file ../shared/data/wikitext-2/test.txt \\
+        --max_seq_length 128 --do_train --do_eval --max_steps 300 --output_dir runs/mlm
+
+    # softmax baseline: the same with a BERT/RoBERTa checkpoint; or convert in-process:
+    python examples/run_mlm.py --model_name_or_path bert-dir --convert_to_nprf --rpe_init calibrated ...
+
+Resume with `--resume_from_checkpoint runs/mlm/checkpoint-200` (or `last`: the newest in output_dir).
+"""
+
+import hashlib
+import json
+import logging
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from datasets import load_dataset
+
+import transformers
+from transformers import (
+    AutoConfig,
+    AutoModelForMaskedLM,
+    AutoTokenizer,
+    DataCollatorForLanguageModeling,
+    HfArgumentParser,
+    Trainer,
+    TrainingArguments,
+    default_data_collator,
+    set_seed,
+)
+from transformers.trainer_utils import get_last_checkpoint
+
+
+logger = logging.getLogger(__name__)
+
+NPRF_MODEL_TYPES = {"nprf_bert": "NPRFBertForMaskedLM", "nprf_roberta": "NPRFRobertaForMaskedLM"}
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: Optional[str] = field(
+        default=None, metadata={"help": "NPRF dir, BERT/RoBERTa checkpoint (dir or Hub id); omit to train from scratch"}
+    )
+    config_name: Optional[str] = field(default=None, metadata={"help": "config (dir or json) for a fresh model"})
+    tokenizer_name: Optional[str] = field(default=None, metadata={"help": "tokenizer, if not the model's"})
+    convert_to_nprf: bool = field(default=False, metadata={"help": "convert a softmax checkpoint to NPRF first"})
+    rpe_init: str = field(default="zeros", metadata={"help": "with --convert_to_nprf: zeros or calibrated"})
+    calibration_text: Optional[str] = field(default=None, metadata={"help": "text file for --rpe_init calibrated"})
+    num_random_features: Optional[int] = field(default=None, metadata={"help": "with --convert_to_nprf"})
+    feature_map: Optional[str] = field(default=None, metadata={"help": "with --convert_to_nprf: orf or prf"})
+    attention_algorithm: Optional[str] = field(default=None, metadata={"help": "auto, dense, fft or banded"})
+    rpe_shared_across_layers: Optional[bool] = field(default=None, metadata={"help": "with --convert_to_nprf"})
+    max_position_embeddings: Optional[int] = field(default=None, metadata={"help": "with --convert_to_nprf"})
+    position_embedding_type: Optional[str] = field(default=None, metadata={"help": "with --convert_to_nprf"})
+    trust_remote_code: bool = field(default=False)
+
+
+@dataclass
+class DataArguments:
+    train_file: Optional[str] = field(default=None, metadata={"help": "plain text file(s) for training"})
+    validation_file: Optional[str] = field(default=None, metadata={"help": "plain text file for evaluation"})
+    max_seq_length: int = field(default=128, metadata={"help": "tokens per block, [CLS] and [SEP] included"})
+    mlm_probability: float = field(default=0.15)
+    max_train_samples: Optional[int] = field(default=None, metadata={"help": "keep the first N training blocks"})
+    max_eval_samples: Optional[int] = field(default=None, metadata={"help": "keep the first N evaluation blocks"})
+    eval_mask_seed: int = field(default=1234, metadata={"help": "seed of the fixed evaluation masks"})
+
+
+def load_model(model_args, tokenizer):
+    """The masked-LM model: an NPRF dir (fresh MLM head if it has none), a softmax checkpoint
+    (optionally converted in-process), or a fresh model from `config_name`."""
+    from nprf_hf import modeling_nprf
+    from nprf_hf.convert import convert_to_nprf
+
+    kwargs = {"trust_remote_code": model_args.trust_remote_code}
+    if model_args.model_name_or_path is None:
+        if model_args.config_name is None:
+            raise ValueError("pass --model_name_or_path or --config_name")
+        config = _load_config(model_args.config_name, **kwargs)
+        model_type = config.model_type
+        if model_type in NPRF_MODEL_TYPES:
+            return getattr(modeling_nprf, NPRF_MODEL_TYPES[model_type])(config)
+        model = AutoModelForMaskedLM.from_config(config, **kwargs)
+    else:
+        path = model_args.model_name_or_path
+        model_type = _load_config(path, **kwargs).model_type
+        if model_type in NPRF_MODEL_TYPES:
+            if model_args.convert_to_nprf:
+                raise ValueError(f"--convert_to_nprf: {path} is already an NPRF model ({model_type})")
+            return getattr(modeling_nprf, NPRF_MODEL_TYPES[model_type]).from_pretrained(path)
+        model = AutoModelForMaskedLM.from_pretrained(path, **kwargs)
+    if not model_args.convert_to_nprf:
+        return model
+    overrides = {
+        name: getattr(model_args, name)
+        for name in (
+            "num_random_features",
+            "feature_map",
+            "attention_algorithm",
+            "rpe_shared_across_layers",
+            "max_position_embeddings",
+            "position_embedding_type",
+        )
+        if getattr(model_args, name) is not None
+    }
+    model, report = convert_to_nprf(
+        model,
+        tokenizer=tokenizer,
+        head="masked-lm",
+        rpe_init=model_args.rpe_init,
+        calibration_text=model_args.calibration_text,
+        return_report=True,
+        **overrides,
+    )
+    logger.info(report.format())
+    return model
+
+
+def _load_config(name_or_path, **kwargs):
+    """Config of a dir / json / Hub id; NPRF configs load without remote code."""
+    from nprf_hf.configuration_nprf import NPRFBertConfig, NPRFRobertaConfig
+
+    config_file = os.path.join(name_or_path, "config.json") if os.path.isdir(name_or_path) else name_or_path
+    if os.path.isfile(config_file):
+        with open(config_file, encoding="utf-8") as handle:
+            model_type = json.load(handle).get("model_type")
+        nprf = {"nprf_bert": NPRFBertConfig, "nprf_roberta": NPRFRobertaConfig}.get(model_type)
+        if nprf is not None:
+            return nprf.from_pretrained(name_or_path)
+    return AutoConfig.from_pretrained(name_or_path, **kwargs)
+
+
+def make_blocks(dataset, tokenizer, block_size):
+    """Tokenize lines, concatenate them, cut into `[CLS] + (block_size - 2) tokens + [SEP]` blocks."""
+    body = block_size - 2
+    cls_id, sep_id = tokenizer.cls_token_id, tokenizer.sep_token_id
+
+    def tokenize(batch):
+        lines = [line.strip() for line in batch["text"] if line.strip()]
+        return {"ids": tokenizer(lines, add_special_tokens=False, truncation=False)["input_ids"] if lines else []}
+
+    def group(batch):
+        ids = [token for line in batch["ids"] for token in line]
+        blocks = [[cls_id] + ids[i : i + body] + [sep_id] for i in range(0, len(ids) - body + 1, body)]
+        return {"input_ids": blocks, "attention_mask": [[1] * block_size for _ in blocks]}
+
+    tokenized = dataset.map(tokenize, batched=True, remove_columns=dataset.column_names, desc="tokenize")
+    # batches of 1000 lines: the tail of each batch (< one block) is dropped
+    return tokenized.map(group, batched=True, batch_size=1000, remove_columns=["ids"], desc="group")
+
+
+def mask_once(dataset, tokenizer, mlm_probability, seed):
+    """Fixed MLM masks for evaluation: adds `labels` (-100 where not masked), input_ids masked."""
+    collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=mlm_probability, seed=seed)
+
+    def apply(batch):
+        masked = collator([{"input_ids": ids} for ids in batch["input_ids"]])
+        return {"input_ids": masked["input_ids"].tolist(), "labels": masked["labels"].tolist()}
+
+    return dataset.map(apply, batched=True, desc="mask eval")
+
+
+class MaskedLMCollator:
+    """Training batches: fresh MLM masks drawn from a generator seeded by `seed` and the batch's
+    token ids, not from the global RNG. Accelerate's dataloader collates one batch ahead, so a
+    checkpoint's saved RNG state is already past the next batch's masks; seeding by content makes a
+    resumed run draw the same masks as an uninterrupted one. Evaluation batches come pre-masked
+    (they carry labels)."""
+
+    def __init__(self, tokenizer, mlm_probability, seed):
+        self.mlm = DataCollatorForLanguageModeling(tokenizer, mlm_probability=mlm_probability)
+        self.seed = seed
+
+    def __call__(self, features):
+        if "labels" in features[0]:
+            return default_data_collator(features)
+        digest = hashlib.sha256(repr([f["input_ids"] for f in features]).encode()).digest()
+        self.mlm.generator = torch.Generator().manual_seed((int.from_bytes(digest[:7], "little") + self.seed) % 2**63)
+        return self.mlm(features)
+
+
+def main(argv=None):
+    parser = HfArgumentParser((ModelArguments, DataArguments, TrainingArguments))
+    if argv is None and len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
+        model_args, data_args, training_args = parser.parse_json_file(os.path.abspath(sys.argv[1]))
+    else:
+        model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    transformers.utils.logging.set_verbosity_warning()
+    if training_args.do_train and data_args.train_file is None:
+        raise ValueError("--do_train needs --train_file")
+    if training_args.do_eval and data_args.validation_file is None:
+        raise ValueError("--do_eval needs --validation_file")
+    if data_args.max_seq_length < 3:
+        raise ValueError(f"max_seq_length must be >= 3, got {data_args.max_seq_length}")
+
+    resume = training_args.resume_from_checkpoint
+    if resume is not None and resume.lower() in ("last", "true"):
+        output_dir = training_args.output_dir
+        resume = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+        if resume is None:
+            raise ValueError(f"--resume_from_checkpoint last: no checkpoint in {training_args.output_dir}")
+    elif resume is not None and not os.path.isdir(resume):
+        raise ValueError(f"--resume_from_checkpoint {resume}: not a directory")
+
+    set_seed(training_args.seed)
+    tokenizer_source = model_args.tokenizer_name or model_args.model_name_or_path
+    if tokenizer_source is None:
+        raise ValueError("a fresh model (--config_name) needs --tokenizer_name")
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, trust_remote_code=model_args.trust_remote_code)
+    model = load_model(model_args, tokenizer)
+    config = model.config
+    offset = config.pad_token_id + 1 if "roberta" in config.model_type else 0
+    usable = config.max_position_embeddings - offset
+    if getattr(config, "position_embedding_type", "absolute") != "none" and data_args.max_seq_length > usable:
+        raise ValueError(
+            f"max_seq_length={data_args.max_seq_length} exceeds the model's {usable} positions "
+            "(convert with --max_position_embeddings, or position_embedding_type none)"
+        )
+    if tokenizer.model_max_length < data_args.max_seq_length:
+        tokenizer.model_max_length = data_args.max_seq_length
+    logger.info("model %s, %.1fM parameters", type(model).__name__, sum(p.numel() for p in model.parameters()) / 1e6)
+
+    train_dataset = eval_dataset = None
+    with training_args.main_process_first(desc="dataset preprocessing"):
+        if training_args.do_train:
+            raw = load_dataset("text", data_files={"train": data_args.train_file})["train"]
+            train_dataset = make_blocks(raw, tokenizer, data_args.max_seq_length)
+            if data_args.max_train_samples is not None:
+                train_dataset = train_dataset.select(range(min(data_args.max_train_samples, len(train_dataset))))
+        if training_args.do_eval:
+            raw = load_dataset("text", data_files={"validation": data_args.validation_file})["validation"]
+            eval_dataset = make_blocks(raw, tokenizer, data_args.max_seq_length)
+            if data_args.max_eval_samples is not None:
+                eval_dataset = eval_dataset.select(range(min(data_args.max_eval_samples, len(eval_dataset))))
+            eval_dataset = mask_once(eval_dataset, tokenizer, data_args.mlm_probability, data_args.eval_mask_seed)
+    for name, dataset in (("train", train_dataset), ("eval", eval_dataset)):
+        if dataset is not None and len(dataset) == 0:
+            raise ValueError(f"the {name} file has fewer than {data_args.max_seq_length - 2} tokens: no block")
+
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+        data_collator=MaskedLMCollator(tokenizer, data_args.mlm_probability, training_args.seed),
+    )
+
+    if training_args.do_train:
+        result = trainer.train(resume_from_checkpoint=resume)
+        trainer.save_model()
+        metrics = dict(result.metrics, train_samples=len(train_dataset))
+        trainer.log_metrics("train", metrics)
+        trainer.save_metrics("train", metrics)
+        trainer.save_state()
+
+    if training_args.do_eval:
+        metrics = trainer.evaluate()
+        metrics["perplexity"] = math.exp(metrics["eval_loss"]) if metrics["eval_loss"] < 700 else float("inf")
+        metrics["eval_samples"] = len(eval_dataset)
+        trainer.log_metrics("eval", metrics)
+        trainer.save_metrics("eval", metrics)
+        return metrics
+    return None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+# Copyright 2025 The nprf-hf authors. Licensed under the Apache License, Version 2.0.
+"""The `nprf-hf` command line: one subcommand per task.
+
+    nprf-hf convert SRC OUT [--num-random-features M] [--feature-map orf|prf] ...
+    nprf-hf card MODEL_DIR [--eval-results eval_results.json] [--base-model ID] ...
+
+A subcommand is a pair of functions: `add_<name>_parser(subparsers)` declares its arguments and sets
+`func` to the function that runs it (taking the parsed namespace, returning an exit code). Add a new
+one to `SUBCOMMANDS`.
+"""
+
+import argparse
+import sys
+
+from .modelcard import add_card_subcommand
+
+
+def _bool(value):
+    lowered = value.lower()
+    if lowered in ("true", "1", "yes"):
+        return True
+    if lowered in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
+def add_convert_parser(subparsers):
+    from .configuration_nprf import ATTENTION_ALGORITHMS, FEATURE_MAPS, POSITION_EMBEDDING_TYPES
+    from .convert import HEADS, RPE_INITS
+
+    parser = subparsers.add_parser(
+        "convert",
+        help="convert a BERT/RoBERTa checkpoint to NPRF attention",
+        description=(
+            "Convert a BERT or RoBERTa checkpoint (local dir or Hub id, any head) to the matching NPRF model. "
+            "Every source tensor is copied bit-identically; the new tensors (RPE table, random projections) "
+            "are listed. The output is saved with safetensors and remote code, plus the tokenizer."
+        ),
+    )
+    parser.add_argument("src", help="local directory or Hub id of a BERT or RoBERTa checkpoint")
+    parser.add_argument("out", help="output directory")
+    parser.add_argument("--num-random-features", type=int, help="m, random features per head")
+    parser.add_argument("--feature-map", choices=FEATURE_MAPS)
+    parser.add_argument("--feature-redraw-interval", type=int, help="0 = fixed projection")
+    parser.add_argument("--projection-seed", type=int)
+    parser.add_argument("--rpe-num-buckets", type=int)
+    parser.add_argument("--rpe-max-distance", type=int)
+    parser.add_argument("--rpe-shared-across-layers", type=_bool, metavar="true|false")
+    parser.add_argument("--attention-algorithm", choices=ATTENTION_ALGORITHMS)
+    parser.add_argument(
+        "--max-position-embeddings",
+        type=int,
+        help="extend the absolute position table to N rows by tiling the learned rows (RoBERTa: N-2 usable)",
+    )
+    parser.add_argument("--position-embedding-type", choices=POSITION_EMBEDDING_TYPES)
+    parser.add_argument("--rpe-init", choices=RPE_INITS, default="zeros")
+    parser.add_argument("--calibration-text", help="plain text file for --rpe-init calibrated")
+    parser.add_argument("--calibration-blocks", type=int, default=32, help="number of calibration blocks")
+    parser.add_argument("--calibration-block-size", type=int, default=128, help="tokens per calibration block")
+    parser.add_argument("--head", choices=list(HEADS), help="target head (default: from config.architectures)")
+    parser.add_argument("--revision", help="Hub revision of SRC")
+    parser.add_argument("--trust-remote-code", action="store_true")
+    parser.set_defaults(func=run_convert)
+    return parser
+
+
+CONFIG_OPTIONS = (
+    "num_random_features",
+    "feature_map",
+    "feature_redraw_interval",
+    "projection_seed",
+    "rpe_num_buckets",
+    "rpe_max_distance",
+    "rpe_shared_across_layers",
+    "attention_algorithm",
+    "max_position_embeddings",
+    "position_embedding_type",
+)
+
+
+def run_convert(args):
+    from .convert import convert_checkpoint
+
+    overrides = {name: getattr(args, name) for name in CONFIG_OPTIONS if getattr(args, name) is not None}
+    from_pretrained_kwargs = {}
+    if args.revision:
+        from_pretrained_kwargs["revision"] = args.revision
+    if args.trust_remote_code:
+        from_pretrained_kwargs["trust_remote_code"] = True
+    report = convert_checkpoint(
+        args.src,
+        args.out,
+        head=args.head,
+        rpe_init=args.rpe_init,
+        calibration_text=args.calibration_text,
+        calibration_blocks=args.calibration_blocks,
+        calibration_block_size=args.calibration_block_size,
+        from_pretrained_kwargs=from_pretrained_kwargs,
+        **overrides,
+    )
+    print(report.format())
+    print(f"Saved to {args.out}")
+    return 0
+
+
+SUBCOMMANDS = (add_convert_parser, add_card_subcommand)
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="nprf-hf", description="NPRF attention for HuggingFace BERT/RoBERTa")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add_parser in SUBCOMMANDS:
+        add_parser(subparsers)
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, OSError) as error:
+        print(f"nprf-hf {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,513 @@
+# Copyright 2025 The nprf-hf authors. Licensed under the Apache License, Version 2.0.
+"""Conversion of BERT / RoBERTa checkpoints to NPRF attention.
+
+The NPRF models keep every tensor of the source model under the same name and shape (Q/K/V, output
+projections, layer norms, embeddings, heads) and add only the relative-position bias table(s) and the
+random-feature projection buffers. Converting is therefore: build the NPRF config from the source
+config, build the matching NPRF class, copy the source state dict in bit for bit, and initialise
+the new tensors (RPE table: zeros, or calibrated from the source model's own softmax attention).
+
+Optionally the absolute position table is extended past its trained length by tiling the learned
+rows (RoBERTa's `padding_idx + 1` offset rows stay in place).
+"""
+
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+from torch import nn
+
+from .functional import t5_relative_position_bucket
+
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("bert", "roberta")
+RPE_INITS = ("zeros", "calibrated")
+
+# head name -> source architecture suffixes that map onto it (after the "Bert" / "Roberta" prefix)
+HEADS = {
+    "model": ("Model",),
+    "masked-lm": ("ForMaskedLM", "ForPreTraining"),
+    "sequence-classification": ("ForSequenceClassification",),
+    "token-classification": ("ForTokenClassification",),
+    "question-answering": ("ForQuestionAnswering",),
+    "multiple-choice": ("ForMultipleChoice",),
+    "causal-lm": ("ForCausalLM",),
+}
+# NPRF class suffix for each head
+HEAD_CLASS_SUFFIX = {
+    "model": "Model",
+    "masked-lm": "ForMaskedLM",
+    "sequence-classification": "ForSequenceClassification",
+    "token-classification": "ForTokenClassification",
+    "question-answering": "ForQuestionAnswering",
+    "multiple-choice": "ForMultipleChoice",
+    "causal-lm": "ForCausalLM",
+}
+# source tensors that the NPRF class has no place for, by source architecture (dropped, reported)
+DROPPABLE_PREFIXES = {"ForPreTraining": ("cls.seq_relationship.", "bert.pooler.")}
+
+
+@dataclass
+class ConversionReport:
+    """What a conversion did, tensor by tensor (names are state-dict keys of the converted model)."""
+
+    source_model_type: str
+    source_architecture: str
+    target_class: str
+    copied: list = field(default_factory=list)  # source tensors copied bit for bit
+    extended: dict = field(default_factory=dict)  # name -> (old rows, new rows), first rows bit-identical
+    new: dict = field(default_factory=dict)  # name -> shape, tensors that did not exist in the source
+    dropped: list = field(default_factory=list)  # source tensors the NPRF model has no place for
+    rpe_init: str = "zeros"
+
+    def format(self):
+        lines = [
+            f"Converted {self.source_architecture} ({self.source_model_type}) -> {self.target_class}",
+            f"  copied bit-identically: {len(self.copied)} source tensors",
+        ]
+        for name, (old, new) in self.extended.items():
+            lines.append(f"  extended: {name}  {old} -> {new} rows (first {old} rows bit-identical, rest tiled)")
+        lines.append(f"  new tensors ({len(self.new)}), RPE init '{self.rpe_init}':")
+        lines.extend(f"    + {name}  {list(shape)}" for name, shape in self.new.items())
+        if self.dropped:
+            lines.append(f"  dropped source tensors ({len(self.dropped)}):")
+            lines.extend(f"    - {name}" for name in self.dropped)
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Pure tensor helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def extend_position_embeddings(weight: torch.Tensor, new_num_positions: int, offset: int = 0) -> torch.Tensor:
+    """Extend an absolute position table `[P, hidden]` to `[new_num_positions, hidden]`.
+
+    Rows `[:offset]` (RoBERTa: `padding_idx + 1` rows that are never real positions) stay in place; the
+    learned rows `weight[offset:]` are tiled to fill `new_num_positions - offset` rows. The first `P`
+    rows of the result equal `weight` bit for bit.
+    """
+    num_positions = weight.shape[0]
+    if new_num_positions < num_positions:
+        raise ValueError(
+            f"max_position_embeddings={new_num_positions} is smaller than the source table ({num_positions} rows); "
+            "only extension is supported"
+        )
+    learned = weight[offset:]
+    if learned.shape[0] == 0:
+        raise ValueError(f"position table has {num_positions} rows, no learned rows after offset {offset}")
+    repeats = math.ceil((new_num_positions - offset) / learned.shape[0])
+    tiled = learned.repeat(repeats, 1)[: new_num_positions - offset]
+    return torch.cat([weight[:offset], tiled], dim=0).contiguous()
+
+
+def bucket_attention_bias(
+    attentions,
+    query_mask: torch.Tensor,
+    key_mask: torch.Tensor,
+    num_buckets: int = 32,
+    max_distance: int = 128,
+    causal: bool = False,
+    floor: float = 1e-6,
+) -> torch.Tensor:
+    """Per-layer, per-head log attention preference per relative-position bucket.
+
+    attentions: sequence over layers of `[B, H, n, n]` softmax attention (rows sum to 1).
+    query_mask, key_mask: `[B, n]` bool, which queries / keys take part (e.g. no padding, no special
+    tokens). Rows are renormalised over the kept keys. causal: decoder attention (keys j <= i only,
+    unidirectional buckets, as T5's decoder).
+    Returns `[L, H, num_buckets]`: `log(mean attention weight of a (query, key) pair in the bucket)`,
+    i.e. the attention mass per bucket normalised by the number of pairs in it, centred to mean zero
+    over the buckets seen. Buckets with no pair (distances longer than the text) take the value of
+    the nearest seen bucket on the same side.
+    """
+    n = attentions[0].shape[-1]
+    positions = torch.arange(n)
+    buckets = t5_relative_position_bucket(
+        positions[None, :] - positions[:, None], bidirectional=not causal, num_buckets=num_buckets,
+        max_distance=max_distance,
+    )  # [n, n], entry (i, j) holds bucket(j - i)
+    one_hot = nn.functional.one_hot(buckets, num_buckets).to(torch.float64)  # [n, n, nb]
+    pair_mask = query_mask[:, :, None] & key_mask[:, None, :]  # [B, n, n]
+    if causal:
+        pair_mask = pair_mask & torch.ones(n, n, dtype=torch.bool).tril()
+    key_mask = key_mask[:, None, None, :] if not causal else pair_mask[:, None]  # [B, 1, 1 or n, n]
+    pair_mask = pair_mask.to(torch.float64)
+    pair_count = torch.einsum("bij,ijk->k", pair_mask, one_hot)  # [nb]
+    seen = pair_count > 0
+    if not seen.any():
+        raise ValueError("calibration text gave no (query, key) pair: is it empty?")
+    biases = []
+    for attn in attentions:
+        attn = attn.detach().to(torch.float64) * key_mask
+        attn = attn / attn.sum(-1, keepdim=True).clamp_min(1e-30)
+        attn = attn * query_mask[:, None, :, None]
+        mass = torch.einsum("bhij,ijk->hk", attn, one_hot)  # [H, nb]
+        mean_weight = mass / pair_count.clamp_min(1)
+        log_weight = mean_weight.clamp_min(floor).log()
+        log_weight = log_weight - log_weight[:, seen].mean(-1, keepdim=True)
+        biases.append(_fill_unseen_buckets(log_weight, seen, causal))
+    return torch.stack(biases).to(torch.float32)
+
+
+def _fill_unseen_buckets(values: torch.Tensor, seen: torch.Tensor, causal: bool = False) -> torch.Tensor:
+    """Fill unseen buckets `[H, nb]` from the nearest seen one on the same side (T5 bidirectional
+    buckets: `[0, nb/2)` for key index <= query index, `[nb/2, nb)` after; unidirectional: one side;
+    |distance| grows with the index)."""
+    values = values.clone()
+    nb = values.shape[-1]
+    sides = ((0, nb),) if causal else ((0, nb // 2), (nb // 2, nb))
+    for start, stop in sides:
+        side_seen = [b for b in range(start, stop) if seen[b]]
+        for b in range(start, stop):
+            if not seen[b]:
+                pool = side_seen or [int(i) for i in torch.nonzero(seen)]
+                nearest = min(pool, key=lambda s: (abs(s - b), -s))
+                values[:, b] = values[:, nearest]
+    return values
+
+
+# ----------------------------------------------------------------------------------------------
+# Source loading and class selection
+# ----------------------------------------------------------------------------------------------
+
+
+def _nprf_classes(model_type):
+    from . import configuration_nprf, modeling_nprf
+
+    prefix = {"bert": "NPRFBert", "roberta": "NPRFRoberta"}[model_type]
+    config_class = getattr(configuration_nprf, prefix + "Config")
+    return prefix, config_class, modeling_nprf
+
+
+def _check_model_type(model_type):
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"Unsupported model_type '{model_type}': nprf-hf converts only {', '.join(SUPPORTED_MODEL_TYPES)} "
+            "checkpoints (BERT or RoBERTa architecture with any head)"
+        )
+
+
+def _head_from_architecture(architecture: str, model_type: str) -> str:
+    prefix = {"bert": "Bert", "roberta": "Roberta"}[model_type]
+    suffix = architecture[len(prefix) :] if architecture.startswith(prefix) else None
+    for head, suffixes in HEADS.items():
+        if suffix in suffixes and not (head == "causal-lm" and model_type != "roberta"):
+            return head
+    supported = [prefix + s for head, ss in HEADS.items() for s in ss if head != "causal-lm" or model_type == "roberta"]
+    raise ValueError(
+        f"Unsupported architecture '{architecture}' for model_type '{model_type}'; supported: {', '.join(supported)} "
+        f"(or pass head= one of {', '.join(HEADS)})"
+    )
+
+
+def _load_source(model_or_path, tokenizer=None, **from_pretrained_kwargs):
+    """Returns (source model, its architecture name, tokenizer or None)."""
+    import transformers
+
+    if isinstance(model_or_path, nn.Module):
+        config = getattr(model_or_path, "config", None)
+        if config is None:
+            raise ValueError("model_or_path is a torch module without a `.config`: pass a transformers BERT/RoBERTa model")
+        _check_model_type(config.model_type)
+        return model_or_path, type(model_or_path).__name__, tokenizer
+    if not isinstance(model_or_path, (str, os.PathLike)):
+        raise ValueError(f"model_or_path must be a model, a local directory or a Hub id, got {type(model_or_path)}")
+    path = str(model_or_path)
+    config = transformers.AutoConfig.from_pretrained(path, **from_pretrained_kwargs)
+    _check_model_type(config.model_type)
+    architecture = (config.architectures or [{"bert": "BertModel", "roberta": "RobertaModel"}[config.model_type]])[0]
+    _head_from_architecture(architecture, config.model_type)  # refuse early on unsupported heads
+    model = getattr(transformers, architecture).from_pretrained(path, dtype="auto", **from_pretrained_kwargs)
+    model.eval()
+    if tokenizer is None:
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(path, **from_pretrained_kwargs)
+        except (OSError, ValueError, TypeError) as error:
+            logger.info("no tokenizer loaded from %s (%s)", path, error)
+    return model, architecture, tokenizer
+
+
+def build_nprf_config(source_config, **overrides):
+    """NPRF config with every field of the BERT/RoBERTa `source_config`, plus `overrides` (NPRF fields
+    such as num_random_features, feature_map, rpe_num_buckets, ...). Unknown override names raise."""
+    _check_model_type(source_config.model_type)
+    _, config_class, _ = _nprf_classes(source_config.model_type)
+    reference = config_class()
+    unknown = [key for key in overrides if not hasattr(reference, key)]
+    if unknown:
+        raise ValueError(f"Unknown config field(s) {unknown} for {config_class.__name__}")
+    values = source_config.to_dict()
+    for key in ("model_type", "architectures", "auto_map", "transformers_version", "_name_or_path", "name_or_path"):
+        values.pop(key, None)
+    # position_embedding_type: the source's "absolute" carries over; v4-only values (relative_key...) are gone in v5
+    if values.get("position_embedding_type") not in (None, "absolute", "none"):
+        raise ValueError(
+            f"position_embedding_type='{values['position_embedding_type']}' of the source is not supported "
+            "(allowed: 'absolute', 'none')"
+        )
+    values.update(overrides)
+    return config_class(**values)
+
+
+def _position_offset(config) -> int:
+    """Rows of the position table before the first real position (RoBERTa: padding_idx + 1)."""
+    return config.pad_token_id + 1 if config.model_type in ("roberta", "nprf_roberta") else 0
+
+
+# ----------------------------------------------------------------------------------------------
+# RPE calibration
+# ----------------------------------------------------------------------------------------------
+
+
+def _rpe_tables(model, num_heads, num_buckets):
+    """The RPE bias parameters of an NPRF model: list of (state-dict name, parameter, layer index or None)."""
+    tables = []
+    for name, param in model.named_parameters():
+        if not any(word in name for word in ("rpe", "relative")):
+            continue
+        if param.shape not in ((num_heads, num_buckets), (num_buckets, num_heads)):
+            raise ValueError(f"RPE table {name} has shape {list(param.shape)}, expected [{num_heads}, {num_buckets}]")
+        parts = name.split(".")
+        layer = int(parts[parts.index("layer") + 1]) if "layer" in parts else None
+        tables.append((name, param, layer))
+    if not tables:
+        raise RuntimeError("no RPE table found in the NPRF model (parameter name containing 'rpe' or 'relative')")
+    return tables
+
+
+def _calibration_blocks(tokenizer, text_file, block_size, num_blocks):
+    """`[N, block_size]` input ids: the text file's tokens cut into blocks, each wrapped in cls/sep."""
+    with open(text_file, encoding="utf-8") as handle:
+        lines = [line.strip() for line in handle if line.strip()]
+    if tokenizer.cls_token_id is None or tokenizer.sep_token_id is None:
+        raise ValueError("calibration needs a tokenizer with cls and sep tokens")
+    body = block_size - 2
+    ids = []
+    for line in lines:
+        ids.extend(tokenizer(line, add_special_tokens=False, truncation=False)["input_ids"])
+        if len(ids) >= body * num_blocks:
+            break
+    blocks = [ids[i : i + body] for i in range(0, len(ids) - body + 1, body)][:num_blocks]
+    if not blocks:
+        raise ValueError(f"calibration text {text_file} has fewer than {body} tokens")
+    return torch.tensor([[tokenizer.cls_token_id] + block + [tokenizer.sep_token_id] for block in blocks])
+
+
+@torch.no_grad()
+def calibrate_rpe(
+    source_model, tokenizer, text_file, num_buckets=32, max_distance=128, block_size=128, num_blocks=32, batch_size=8
+) -> torch.Tensor:
+    """`[L, H, num_buckets]` bucket biases from the softmax attention of `source_model` on `text_file`.
+
+    Special tokens ([CLS]/[SEP], <s>/</s>) are left out as queries and keys, so the biases describe
+    how content tokens weigh each other by distance, not the attention sinks.
+    """
+    base = source_model.base_model
+    causal = bool(getattr(base.config, "is_decoder", False))
+    max_len = base.config.max_position_embeddings - _position_offset(base.config)
+    block_size = min(block_size, max_len)
+    input_ids = _calibration_blocks(tokenizer, text_file, block_size, num_blocks)
+    special = torch.tensor([tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.pad_token_id])
+    keep = ~torch.isin(input_ids, special)
+    previous_impl, was_training = base.config._attn_implementation, base.training
+    base.set_attn_implementation("eager")
+    base.eval()
+    try:
+        chunks = []
+        for start in range(0, input_ids.shape[0], batch_size):
+            ids = input_ids[start : start + batch_size].to(base.device)
+            out = base(input_ids=ids, attention_mask=torch.ones_like(ids), output_attentions=True)
+            mask = keep[start : start + batch_size]
+            bias = bucket_attention_bias(
+                [a.float().cpu() for a in out.attentions], mask, mask, num_buckets, max_distance, causal=causal
+            )
+            chunks.append((bias, ids.shape[0]))
+    finally:
+        base.set_attn_implementation(previous_impl)
+        base.train(was_training)
+    # blocks all have the same length, so batches weigh by their size
+    total = sum(count for _, count in chunks)
+    return sum(bias * count for bias, count in chunks) / total
+
+
+# ----------------------------------------------------------------------------------------------
+# Conversion
+# ----------------------------------------------------------------------------------------------
+
+
+def _convert(
+    model_or_path,
+    tokenizer=None,
+    head: Optional[str] = None,
+    rpe_init: str = "zeros",
+    calibration_text: Optional[str] = None,
+    calibration_blocks: int = 32,
+    calibration_block_size: int = 128,
+    from_pretrained_kwargs: Optional[dict] = None,
+    **config_overrides,
+):
+    if rpe_init not in RPE_INITS:
+        raise ValueError(f"rpe_init='{rpe_init}' is not supported; allowed: {', '.join(RPE_INITS)}")
+    if rpe_init == "calibrated" and calibration_text is None:
+        raise ValueError("rpe_init='calibrated' needs calibration_text (a plain text file)")
+    if rpe_init == "zeros" and calibration_text is not None:
+        raise ValueError("calibration_text is only used with rpe_init='calibrated'")
+    if head is not None and head not in HEADS:
+        raise ValueError(f"head='{head}' is not supported; allowed: {', '.join(HEADS)}")
+
+    source, architecture, tokenizer = _load_source(model_or_path, tokenizer, **(from_pretrained_kwargs or {}))
+    source_config = source.config
+    model_type = source_config.model_type
+    if head is None:
+        head = _head_from_architecture(architecture, model_type)
+    elif head == "causal-lm" and model_type != "roberta":
+        raise ValueError("head='causal-lm' exists only for RoBERTa")
+    if rpe_init == "calibrated" and tokenizer is None:
+        raise ValueError("rpe_init='calibrated' needs the source tokenizer: pass tokenizer=")
+
+    config = build_nprf_config(source_config, **config_overrides)
+    prefix, _, modeling = _nprf_classes(model_type)
+    target_class = getattr(modeling, prefix + HEAD_CLASS_SUFFIX[head])
+    # builds on CPU in float32, then takes the source's dtype
+    dtype = source.dtype
+    target = target_class(config)
+    target.eval()
+
+    source_state = source.state_dict()
+    # the source may be a different head than the target (head= given): align the base-model prefix
+    source_state = _align_prefix(source_state, source, target)
+    target_state = target.state_dict()
+
+    report = ConversionReport(model_type, architecture, target_class.__name__, rpe_init=rpe_init)
+    position_key = next((k for k in source_state if k.endswith("embeddings.position_embeddings.weight")), None)
+    if position_key is not None and position_key in target_state:
+        old_rows, new_rows = source_state[position_key].shape[0], target_state[position_key].shape[0]
+        if new_rows != old_rows:
+            source_state[position_key] = extend_position_embeddings(
+                source_state[position_key], new_rows, _position_offset(source_config)
+            )
+            report.extended[position_key] = (old_rows, new_rows)
+
+    source_suffix = architecture[len(prefix) - len("NPRF") :]  # "BertForMaskedLM" -> "ForMaskedLM"
+    source_head = next((h for h, suffixes in HEADS.items() if source_suffix in suffixes), None)
+    droppable = DROPPABLE_PREFIXES.get(source_suffix, ())
+    to_load = {}
+    for name, tensor in source_state.items():
+        if name in target_state and target_state[name].shape == tensor.shape:
+            to_load[name] = tensor
+        elif name in target_state and head == source_head:
+            raise ValueError(
+                f"{name}: source shape {list(tensor.shape)} != NPRF shape {list(target_state[name].shape)}"
+            )
+        elif name == position_key and config.position_embedding_type == "none":
+            report.dropped.append(name)
+        elif name.startswith(droppable) or head != source_head:
+            report.dropped.append(name)
+        else:
+            raise RuntimeError(f"source tensor {name} has no counterpart in {target_class.__name__}")
+    target.load_state_dict(to_load, strict=False)
+    target.to(dtype)
+
+    # the check that the copy is exact (cheap, and catches tying / renaming surprises)
+    final_state = target.state_dict()
+    for name, tensor in to_load.items():
+        if not torch.equal(final_state[name].cpu(), tensor.to(final_state[name].dtype).cpu()):
+            raise RuntimeError(f"tensor {name} was not copied exactly")
+    report.copied = sorted(name for name in to_load if name not in report.extended)
+    report.new = {name: tuple(t.shape) for name, t in final_state.items() if name not in to_load}
+
+    num_buckets, num_heads = config.rpe_num_buckets, config.num_attention_heads
+    tables = _rpe_tables(target, num_heads, num_buckets)
+    if rpe_init == "calibrated":
+        biases = calibrate_rpe(
+            source,
+            tokenizer,
+            calibration_text,
+            num_buckets=num_buckets,
+            max_distance=config.rpe_max_distance,
+            block_size=calibration_block_size,
+            num_blocks=calibration_blocks,
+        )  # [L, H, nb]
+    with torch.no_grad():
+        for name, param, layer in tables:
+            if rpe_init == "zeros":
+                param.zero_()
+                continue
+            bias = biases.mean(0) if layer is None else biases[layer]
+            if param.shape != bias.shape:
+                bias = bias.t()
+            param.copy_(bias.to(param.dtype))
+
+    if tokenizer is not None and "max_position_embeddings" in config_overrides:
+        tokenizer.model_max_length = config.max_position_embeddings - _position_offset(config)
+    return target, tokenizer, report
+
+
+def _align_prefix(source_state, source, target):
+    """Rename keys when source and target differ in having the base-model prefix (e.g. a BertModel
+    converted to a ForMaskedLM head, or a ForSequenceClassification checkpoint to a base model)."""
+    prefix = target.base_model_prefix
+    source_has = source is not source.base_model
+    target_has = target is not target.base_model
+    if source_has == target_has:
+        return dict(source_state)
+    if target_has:  # base -> head: add prefix
+        return {f"{prefix}.{k}": v for k, v in source_state.items()}
+    # head -> base: keep only the base model's tensors
+    return {k[len(prefix) + 1 :]: v for k, v in source_state.items() if k.startswith(prefix + ".")} | {
+        k: v for k, v in source_state.items() if not k.startswith(prefix + ".")
+    }
+
+
+def convert_to_nprf(
+    model_or_path: Union[str, os.PathLike, nn.Module],
+    *,
+    tokenizer=None,
+    head: Optional[str] = None,
+    rpe_init: str = "zeros",
+    calibration_text: Optional[str] = None,
+    calibration_blocks: int = 32,
+    calibration_block_size: int = 128,
+    return_report: bool = False,
+    from_pretrained_kwargs: Optional[dict] = None,
+    **config_overrides,
+):
+    """Convert a BERT or RoBERTa model (in memory, local directory or Hub id) into its NPRF counterpart.
+
+    Every source tensor is copied bit for bit (same names and shapes); the RPE table(s) and random
+    projections are new. The head follows the source's class (`config.architectures` for a path),
+    or `head=` one of "model", "masked-lm", "sequence-classification", "token-classification",
+    "question-answering", "multiple-choice", "causal-lm" (RoBERTa).
+
+    config_overrides: NPRF config fields (num_random_features, feature_map, rpe_num_buckets,
+    rpe_max_distance, rpe_shared_across_layers, feature_redraw_interval, attention_algorithm,
+    position_embedding_type, max_position_embeddings (tiles the learned position rows), ...).
+    rpe_init: "zeros" or "calibrated" (needs `calibration_text`, a plain text file, and a tokenizer:
+    loaded from the path, or passed as `tokenizer=` with an in-memory model); calibration runs the
+    source on `calibration_blocks` blocks of `calibration_block_size` tokens.
+    from_pretrained_kwargs: passed when loading from a path (revision, trust_remote_code, ...).
+    Returns the NPRF model in eval mode (and a `ConversionReport` if `return_report`).
+    """
+    model, _, report = _convert(
+        model_or_path, tokenizer=tokenizer, head=head, rpe_init=rpe_init, calibration_text=calibration_text,
+        calibration_blocks=calibration_blocks, calibration_block_size=calibration_block_size,
+        from_pretrained_kwargs=from_pretrained_kwargs, **config_overrides,
+    )
+    logger.info(report.format())
+    return (model, report) if return_report else model
+
+
+def convert_checkpoint(src, out_dir, *, tokenizer=None, **kwargs) -> ConversionReport:
+    """Convert `src` (model, local dir or Hub id) and save the NPRF model (safetensors + remote code)
+    and the tokenizer, if there is one, to `out_dir`. kwargs as in `convert_to_nprf`."""
+    model, tokenizer, report = _convert(src, tokenizer=tokenizer, **kwargs)
+    model.save_pretrained(out_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+    return report

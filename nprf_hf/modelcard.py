@@ -1,0 +1,552 @@
+# Copyright 2025 The nprf-hf authors. Licensed under the Apache License, Version 2.0.
+"""Model cards for NPRF checkpoints and publishing them on the Hub.
+
+    write_model_card(model_dir, eval_results=..., base_model=..., datasets=..., task_name=...)
+        -> writes MODEL_DIR/README.md: YAML front matter (library_name, pipeline_tag, tags, datasets,
+           metrics, base_model, model-index from eval_results.json) + usage, NPRF settings, the
+           conversion recipe and the limits. CARD_TEMPLATE below is the only template.
+    push_nprf_to_hub(model_or_dir, repo_id, tokenizer=None, card_kwargs=...)
+        -> weights, config, remote code files, tokenizer and this card in one commit.
+        (`model.push_to_hub` uploads weights, config and code, but a generic README.md.)
+    nprf-hf card MODEL_DIR [--eval-results eval_results.json] [--base-model ID] [--dataset ID] ...
+        -> `add_card_subcommand(subparsers)` registers it on the `nprf-hf` parser; `main(argv)` runs it alone.
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import string
+import sys
+import tempfile
+
+
+NPRF_MODEL_TYPES = {"nprf_bert": "BERT", "nprf_roberta": "RoBERTa"}
+
+# architecture suffix -> (pipeline_tag, Auto class of the usage snippet)
+HEAD_PIPELINES = {
+    "ForMaskedLM": ("fill-mask", "AutoModelForMaskedLM"),
+    "ForSequenceClassification": ("text-classification", "AutoModelForSequenceClassification"),
+    "ForTokenClassification": ("token-classification", "AutoModelForTokenClassification"),
+    "ForQuestionAnswering": ("question-answering", "AutoModelForQuestionAnswering"),
+    "ForMultipleChoice": ("multiple-choice", "AutoModelForMultipleChoice"),
+    "ForCausalLM": ("text-generation", "AutoModelForCausalLM"),
+    "Model": ("feature-extraction", "AutoModel"),
+}
+BASE_TAGS = ("nprf", "kernelized-attention", "relative-position", "random-features", "linear-attention", "custom_code")
+
+# eval_results.json keys (after the "eval_" prefix) that are not quality metrics
+NON_METRICS = (
+    "loss", "runtime", "samples_per_second", "steps_per_second", "samples", "epoch", "model_preparation_time",
+    "combined_score", "jit_compilation_time",
+)
+METRIC_TYPES = {"pearson": "pearsonr"}  # our metric names -> Hub metric ids
+METRIC_NAMES = {
+    "accuracy": "Accuracy",
+    "f1": "F1",
+    "matthews_correlation": "Matthews Correlation",
+    "pearson": "Pearson Correlation",
+    "spearmanr": "Spearman Correlation",
+    "perplexity": "Perplexity",
+}
+GLUE_DATASET = "nyu-mll/glue"
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+CARD_TEMPLATE = """
+# $model_name
+
+$family_name with the attention of *Stable, Fast and Accurate: Kernelized Attention with Relative Positional
+Encoding* (Luo et al., NeurIPS 2021), built with the `nprf-hf` package. Every head
+computes normalized positive random feature (NPRF) attention with a T5-bucketed relative position bias:
+queries and keys are L2-normalized, mapped through $num_random_features positive random features
+(`$feature_map`), and the relative bias enters as a Toeplitz matrix, so the attention costs
+O(n log n) (`fft`) or O(n) (`banded`) instead of O(n^2) in the input length n.
+
+$provenance
+
+- Architecture: `$architecture` (`model_type: $model_type`), pipeline `$pipeline_tag`
+$task_line
+
+## Evaluation
+
+$results
+
+## Usage
+
+The modeling code ships with the weights (`configuration_nprf.py`, `modeling_nprf.py`, `functional.py`):
+load it with `trust_remote_code=True` (or `pip install nprf-hf` and `import nprf_hf`, which registers the
+classes with the Auto classes).
+
+```python
+from transformers import AutoTokenizer, $auto_class, pipeline
+
+tokenizer = AutoTokenizer.from_pretrained("$repo_id")
+model = $auto_class.from_pretrained("$repo_id", trust_remote_code=True)
+outputs = model(**tokenizer("$example_text", return_tensors="pt"))
+
+pipe = pipeline("$pipeline_tag", model="$repo_id", trust_remote_code=True)
+```
+
+## NPRF settings
+
+| field | value |
+|---|---|
+$settings
+
+## How it was made
+
+NPRF models keep every tensor of the source BERT / RoBERTa checkpoint under the same name and shape
+(copied bit for bit) and add only the relative position bias table(s) and the random projections. The
+recipe below rebuilds this model's NPRF settings; the bias table starts at zeros (`--rpe-init zeros`) or from
+the source's own attention (`--rpe-init calibrated --calibration-text FILE`) and is then fine-tuned.
+
+```bash
+pip install nprf-hf
+$recipe
+```
+
+## Limits
+
+- The attention is a random-feature estimate of a *normalized* softmax kernel with a learned relative bias,
+  not the source model's softmax attention: a converted checkpoint must be fine-tuned (or further pre-trained)
+  before use. The conversion copies every source tensor, but the attention function changes.
+- $length_limit
+- `output_attentions=True` and 4D attention masks that are not padding masks use the dense n x n weights
+  (O(n^2) memory); both raise beyond `output_attentions_max_length` = $output_attentions_max_length tokens.
+- Attention dropout (`attention_probs_dropout_prob`) is not applied; flash / flex attention are not supported
+  (`sdpa` and `eager` masks are); decoder cross-attention, if any, is HF's softmax attention.
+- The random projection is stored with the weights (`feature_redraw_interval` = $feature_redraw_interval,
+  0 = fixed), so a reloaded model gives identical outputs.
+
+## Citation
+
+```bibtex
+@inproceedings{luo2021stable,
+  title     = {Stable, Fast and Accurate: Kernelized Attention with Relative Positional Encoding},
+  author    = {Luo, Shengjie and Li, Shanda and Cai, Tianle and He, Di and Peng, Dinglan and Zheng, Shuxin and
+               Ke, Guolin and Wang, Liwei and Liu, Tie-Yan},
+  booktitle = {Advances in Neural Information Processing Systems},
+  year      = {2021}
+}
+```
+"""
+
+SETTING_FIELDS = (
+    "num_random_features",
+    "feature_map",
+    "feature_redraw_interval",
+    "projection_seed",
+    "rpe_num_buckets",
+    "rpe_max_distance",
+    "rpe_shared_across_layers",
+    "attention_algorithm",
+    "position_embedding_type",
+    "max_position_embeddings",
+    "output_attentions_max_length",
+)
+# NPRF config field -> `nprf-hf convert` option, for the recipe
+CONVERT_OPTIONS = (
+    "num_random_features",
+    "feature_map",
+    "feature_redraw_interval",
+    "projection_seed",
+    "rpe_num_buckets",
+    "rpe_max_distance",
+    "rpe_shared_across_layers",
+    "attention_algorithm",
+    "position_embedding_type",
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading what the card describes
+# ----------------------------------------------------------------------------------------------
+
+
+def read_nprf_config(model_dir):
+    """config.json of an NPRF checkpoint as a dict; a ValueError for anything else."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"{model_dir} has no config.json: pass the directory of a saved NPRF model")
+    with open(path) as f:
+        config = json.load(f)
+    if config.get("model_type") not in NPRF_MODEL_TYPES:
+        raise ValueError(
+            f"{path} has model_type={config.get('model_type')!r}, not an NPRF model ({', '.join(NPRF_MODEL_TYPES)}); "
+            "convert it first with `nprf-hf convert`"
+        )
+    return config
+
+
+def pipeline_for(config):
+    """(architecture, pipeline_tag, Auto class) from config['architectures'] (default: the base model)."""
+    prefix = "NPRFBert" if config["model_type"] == "nprf_bert" else "NPRFRoberta"
+    architecture = (config.get("architectures") or [prefix + "Model"])[0]
+    suffix = architecture[len(prefix) :] if architecture.startswith(prefix) else None
+    if suffix not in HEAD_PIPELINES:
+        raise ValueError(
+            f"architecture {architecture!r} is not an NPRF class; expected {prefix} + one of {', '.join(HEAD_PIPELINES)}"
+        )
+    return (architecture, *HEAD_PIPELINES[suffix])
+
+
+def load_eval_results(eval_results):
+    """A dict from a path to a JSON file (e.g. eval_results.json of the GLUE scripts) or a dict."""
+    if isinstance(eval_results, dict):
+        return dict(eval_results)
+    if not os.path.isfile(eval_results):
+        raise ValueError(f"eval_results file {eval_results} does not exist")
+    with open(eval_results) as f:
+        results = json.load(f)
+    if not isinstance(results, dict):
+        raise ValueError(f"{eval_results} must hold a JSON object of metrics, got {type(results).__name__}")
+    return results
+
+
+def metrics_from_results(results):
+    """[(metric, split suffix, value)] from trainer-style results: 'eval_accuracy' -> ('accuracy', '', v),
+    'eval_accuracy_mm' (MNLI mismatched) -> ('accuracy', '_mm', v), 'perplexity' -> ('perplexity', '', v).
+    Losses, runtimes, sample counts and train_/predict_ keys are left out."""
+    metrics = []
+    for key, value in results.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if key.startswith("eval_"):
+            name = key[len("eval_") :]
+        elif key in ("perplexity", "perplexity_mm"):
+            name = key
+        else:
+            continue
+        suffix = "_mm" if name.endswith("_mm") else ""
+        name = name[: len(name) - len(suffix)]
+        if name not in NON_METRICS:
+            metrics.append((name, suffix, float(value)))
+    return metrics
+
+
+def _glue_task(task_name):
+    from .glue import GLUE_TASKS
+
+    name = (task_name or "").lower().replace("-", "").replace("_", "")
+    return name if name in GLUE_TASKS else None
+
+
+def build_eval_results(results, pipeline_tag, task_name, dataset, eval_split=None):
+    """huggingface_hub EvalResult list (the card's model-index) from a results dict. The split is
+    `eval_split` (default "validation"); MNLI's are validation_matched / validation_mismatched."""
+    from huggingface_hub import EvalResult
+
+    glue_task = _glue_task(task_name)
+    entries = []
+    for metric, suffix, value in metrics_from_results(results):
+        split = eval_split or "validation"
+        if glue_task == "mnli":
+            split = {"": "validation_matched", "_mm": "validation_mismatched"}[suffix]
+        elif suffix:
+            split += suffix
+        if glue_task is not None:
+            dataset_name, config = f"GLUE {glue_task.upper()}", glue_task
+        else:
+            dataset_name, config = task_name or dataset, task_name
+        entries.append(
+            EvalResult(
+                task_type=pipeline_tag,
+                task_name=pipeline_tag.replace("-", " ").title(),
+                dataset_type=dataset,
+                dataset_name=dataset_name,
+                dataset_config=config,
+                dataset_split=split,
+                metric_type=METRIC_TYPES.get(metric, metric),
+                metric_name=METRIC_NAMES.get(metric, metric.replace("_", " ").title()),
+                metric_value=value,
+            )
+        )
+    return entries
+
+
+# ----------------------------------------------------------------------------------------------
+# The card
+# ----------------------------------------------------------------------------------------------
+
+
+def _as_list(value):
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
+def _results_table(eval_results):
+    if not eval_results:
+        return "No evaluation results were given (`nprf-hf card MODEL_DIR --eval-results eval_results.json`)."
+    rows = ["| dataset | config | split | metric | value |", "|---|---|---|---|---|"]
+    for r in eval_results:
+        rows.append(
+            f"| {r.dataset_type} | {r.dataset_config or ''} | {r.dataset_split} | {r.metric_name} | {r.metric_value:.4f} |"
+        )
+    return "\n".join(rows)
+
+
+def _recipe(config, base_model, glue_task):
+    source = base_model or "SOURCE_BERT_OR_ROBERTA"
+    options = []
+    for field in CONVERT_OPTIONS:
+        if field in config:
+            value = config[field]
+            value = str(value).lower() if isinstance(value, bool) else value
+            options.append(f"--{field.replace('_', '-')} {value}")
+    lines = [f"nprf-hf convert {source} nprf-model \\", *(f"    {o} \\" for o in options)]
+    lines[-1] = lines[-1][: -len(" \\")]
+    if glue_task is not None:
+        lines += [
+            "# then fine-tune, e.g.",
+            f"python examples/run_glue.py --model_name_or_path nprf-model --task_name {glue_task} \\",
+            "    --do_train --do_eval --output_dir out",
+        ]
+    return "\n".join(lines)
+
+
+def _length_limit(config):
+    if config.get("position_embedding_type", "absolute") == "none":
+        return "No absolute position table (`position_embedding_type: none`): inputs of any length are accepted."
+    limit = config.get("max_position_embeddings")
+    if config["model_type"] == "nprf_roberta" and limit is not None:
+        offset = (1 if config.get("pad_token_id") is None else config["pad_token_id"]) + 1
+        limit = f"{limit - offset} (max_position_embeddings {limit} minus padding_idx + 1)"
+    return (
+        f"Inputs are limited to {limit} tokens (the absolute position table); longer inputs raise a ValueError. "
+        "`nprf-hf convert --max-position-embeddings N` extends the table by tiling the learned rows (untrained "
+        "beyond the source length: fine-tune on long inputs), or convert with `--position-embedding-type none`."
+    )
+
+
+def build_model_card(
+    model_dir,
+    eval_results=None,
+    base_model=None,
+    datasets=None,
+    task_name=None,
+    model_name=None,
+    repo_id=None,
+    license=None,
+    language=None,
+    tags=None,
+    eval_split=None,
+    notes=None,
+):
+    """The huggingface_hub.ModelCard of the NPRF checkpoint in `model_dir` (see `write_model_card`)."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    config = read_nprf_config(model_dir)
+    architecture, pipeline_tag, auto_class = pipeline_for(config)
+    if base_model is not None and not HUB_ID.match(base_model):
+        raise ValueError(f"base_model must be a Hub model id such as 'google-bert/bert-base-uncased', got {base_model!r}")
+    if eval_results is None:
+        default = os.path.join(model_dir, "eval_results.json")
+        eval_results = default if os.path.isfile(default) else False
+    results = load_eval_results(eval_results) if eval_results is not False else {}
+    if task_name is None:
+        task_name = results.get("task_name") if isinstance(results.get("task_name"), str) else None
+    if task_name is None:
+        task_name = config.get("finetuning_task")
+    glue_task = _glue_task(task_name)
+    datasets = _as_list(datasets) or ([GLUE_DATASET] if glue_task is not None else [])
+    model_name = model_name or os.path.basename(os.path.normpath(model_dir))
+    repo_id = repo_id or model_name
+
+    entries = []
+    if metrics_from_results(results):
+        if not datasets:
+            raise ValueError(
+                "eval_results hold metrics but the dataset is unknown: pass datasets= (--dataset) or task_name= "
+                "(--task-name, e.g. sst2)"
+            )
+        entries = build_eval_results(results, pipeline_tag, task_name, datasets[0], eval_split)
+    family = NPRF_MODEL_TYPES[config["model_type"]]
+    card_tags = [*BASE_TAGS, family.lower(), *(["glue", glue_task] if glue_task else []), *_as_list(tags)]
+    data = ModelCardData(
+        model_name=model_name,
+        library_name="transformers",
+        pipeline_tag=pipeline_tag,
+        tags=list(dict.fromkeys(card_tags)),
+        datasets=datasets or None,
+        metrics=list(dict.fromkeys(e.metric_type for e in entries)) or None,
+        base_model=base_model,
+        license=license,
+        language=language,
+        eval_results=entries or None,
+    )
+    if base_model is not None:
+        provenance = f"Converted from [`{base_model}`](https://huggingface.co/{base_model}) with `nprf-hf convert`"
+        provenance += "."
+    else:
+        provenance = "Converted from a BERT / RoBERTa checkpoint with `nprf-hf convert`."
+    settings = "\n".join(f"| `{field}` | `{config[field]}` |" for field in SETTING_FIELDS if field in config)
+    body = string.Template(CARD_TEMPLATE).substitute(
+        model_name=model_name,
+        family_name=f"{family} (`{architecture}`)",
+        num_random_features=config.get("num_random_features"),
+        feature_map=config.get("feature_map"),
+        provenance=provenance,
+        architecture=architecture,
+        model_type=config["model_type"],
+        pipeline_tag=pipeline_tag,
+        task_line=f"- Task: `{task_name}`" + (f" (`{datasets[0]}`)" if datasets else "") if task_name else "",
+        results=_results_table(entries) + (f"\n\n{notes.strip()}" if notes else ""),
+        auto_class=auto_class,
+        repo_id=repo_id,
+        example_text="NPRF attention scales to long inputs.",
+        settings=settings,
+        recipe=_recipe(config, base_model, glue_task),
+        length_limit=_length_limit(config),
+        output_attentions_max_length=config.get("output_attentions_max_length"),
+        feature_redraw_interval=config.get("feature_redraw_interval"),
+    )
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
+
+
+def write_model_card(model_dir, eval_results=None, output_path=None, **kwargs):
+    """Write the Hub README.md of the NPRF checkpoint in `model_dir`; returns its path.
+
+    Args:
+        model_dir: a saved NPRF model (config.json with model_type nprf_bert / nprf_roberta).
+        eval_results: path to a JSON of metrics (the GLUE / MLM scripts' eval_results.json: "eval_accuracy",
+            "eval_f1", "eval_matthews_correlation", "perplexity", ...) or a dict; None = MODEL_DIR/eval_results.json
+            if it exists; False = none.
+        output_path: default MODEL_DIR/README.md.
+        kwargs: base_model (Hub id), datasets (Hub ids), task_name (GLUE task or free text; default: the
+            results' "task_name" or config.finetuning_task), eval_split (default "validation"), notes
+            (markdown under the results: how they were measured), model_name, repo_id (for the usage
+            snippet), license, language, tags.
+    """
+    card = build_model_card(model_dir, eval_results=eval_results, **kwargs)
+    output_path = output_path or os.path.join(model_dir, "README.md")
+    card.save(output_path)
+    return output_path
+
+
+# ----------------------------------------------------------------------------------------------
+# Hub
+# ----------------------------------------------------------------------------------------------
+
+
+def push_nprf_to_hub(
+    model,
+    repo_id,
+    tokenizer=None,
+    card_kwargs=None,
+    private=None,
+    token=None,
+    revision=None,
+    create_pr=False,
+    commit_message="Upload NPRF model",
+):
+    """Upload an NPRF model with weights, config, remote code, tokenizer and model card in one commit.
+
+    Args:
+        model: an NPRF PreTrainedModel, or the directory of a saved one (its top-level files are
+            uploaded; sub-directories such as checkpoint-*/ are not).
+        tokenizer: saved next to the model when given.
+        card_kwargs: `write_model_card` arguments (eval_results, base_model, datasets, task_name, ...);
+            `repo_id` defaults to the target repo.
+    Returns:
+        huggingface_hub CommitInfo of the upload (one `create_commit`, as `model.push_to_hub` does).
+    """
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    api = HfApi(token=token)
+    with tempfile.TemporaryDirectory() as folder:
+        if isinstance(model, (str, os.PathLike)):
+            source = os.fspath(model)
+            read_nprf_config(source)
+            for name in os.listdir(source):
+                if os.path.isfile(os.path.join(source, name)) and name != "README.md":
+                    shutil.copy2(os.path.join(source, name), folder)
+        else:
+            model.save_pretrained(folder)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
+        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+        card_kwargs = {"repo_id": repo_id, "model_name": repo_id.split("/")[-1], **(card_kwargs or {})}
+        write_model_card(folder, **card_kwargs)
+        operations = [
+            CommitOperationAdd(path_in_repo=name, path_or_fileobj=os.path.join(folder, name))
+            for name in sorted(os.listdir(folder))
+        ]
+        return api.create_commit(
+            repo_id=repo_id, operations=operations, commit_message=commit_message, revision=revision, create_pr=create_pr
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------------------------
+
+
+def _add_card_arguments(parser):
+    parser.add_argument("model_dir", help="directory of a saved NPRF model")
+    parser.add_argument(
+        "--eval-results", help="JSON of metrics, e.g. the GLUE script's eval_results.json (default: MODEL_DIR/eval_results.json if present)"
+    )
+    parser.add_argument("--no-eval-results", action="store_true", help="write no results even if MODEL_DIR/eval_results.json exists")
+    parser.add_argument("--base-model", help="Hub id of the source checkpoint, e.g. sentence-transformers/all-MiniLM-L6-v2")
+    parser.add_argument("--dataset", action="append", dest="datasets", help="Hub id of a training/eval dataset (repeatable)")
+    parser.add_argument("--task-name", help="GLUE task (sst2, cola, mrpc, ...) or a free task name (default: from the results or config.finetuning_task)")
+    parser.add_argument("--eval-split", help="dataset split of the results (default: validation; MNLI: matched/mismatched)")
+    parser.add_argument("--notes", help="markdown shown under the results (how they were measured)")
+    parser.add_argument("--model-name", help="title and model-index name (default: MODEL_DIR's name)")
+    parser.add_argument("--repo-id", help="Hub repo id used in the usage snippet (default: the model name)")
+    parser.add_argument("--license")
+    parser.add_argument("--language", action="append")
+    parser.add_argument("--tag", action="append", dest="tags", help="extra tag (repeatable)")
+    parser.add_argument("--output", help="where to write the card (default: MODEL_DIR/README.md)")
+    parser.set_defaults(func=run_card)
+    return parser
+
+
+def add_card_subcommand(subparsers):
+    """Register `nprf-hf card` on the subparsers of the `nprf-hf` parser (its `func` runs it)."""
+    parser = subparsers.add_parser(
+        "card",
+        help="write a Hub model card (README.md) for a saved NPRF model",
+        description="Write MODEL_DIR/README.md: YAML front matter (pipeline_tag, tags, datasets, metrics, base_model, "
+        "model-index from eval_results.json), usage with trust_remote_code=True, NPRF settings, the conversion "
+        "recipe and its limits.",
+    )
+    return _add_card_arguments(parser)
+
+
+def run_card(args):
+    eval_results = False if args.no_eval_results else args.eval_results
+    path = write_model_card(
+        args.model_dir,
+        eval_results=eval_results,
+        output_path=args.output,
+        base_model=args.base_model,
+        datasets=args.datasets,
+        task_name=args.task_name,
+        eval_split=args.eval_split,
+        notes=args.notes,
+        model_name=args.model_name,
+        repo_id=args.repo_id,
+        license=args.license,
+        language=args.language,
+        tags=args.tags,
+    )
+    print(f"Wrote {path}")
+    return 0
+
+
+def main(argv=None):
+    """`nprf-hf card` on its own: main(["MODEL_DIR", "--eval-results", "eval_results.json", ...])."""
+    parser = _add_card_arguments(argparse.ArgumentParser(prog="nprf-hf card", description=add_card_subcommand.__doc__))
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, OSError) as error:
+        print(f"nprf-hf card: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""Smoke tests of benchmarks/long_sequence.py and benchmarks/approximation.py at minimal sizes."""
+
+import importlib.util
+import json
+import math
+import os
+
+import pytest
+
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+
+
+def load_script(name):
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", os.path.join(BENCHMARKS, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def long_sequence():
+    return load_script("long_sequence")
+
+
+@pytest.fixture(scope="module")
+def approximation():
+    return load_script("approximation")
+
+
+TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-heads", "2", "--vocab-size", "100", "--threads", "1"]
+
+
+def test_long_sequence_sweep_writes_results_table_and_plot(long_sequence, tmp_path, capsys):
+    stem = str(tmp_path / "ls")
+    results = long_sequence.main(TINY + ["--lengths", "32", "64", "--isolation", "none", "--repeats", "1",
+                                         "--output", stem])
+    assert {(r["variant"], r["mode"], r["n"]) for r in results} == {
+        (v, m, n) for v in long_sequence.VARIANTS for m in long_sequence.MODES for n in (32, 64)
+    }
+    for r in results:
+        assert r["status"] == "ok", r
+        assert r["time_s"] > 0 and math.isfinite(r["time_s"])
+        assert r["peak_memory_bytes"] >= 0
+    with open(stem + ".json") as f:
+        saved = json.load(f)
+    assert saved["meta"]["memory_method"]
+    assert saved["meta"]["args"]["num_layers"] == 1
+    assert len(saved["results"]) == len(results)
+    assert os.path.getsize(stem + ".png") > 1000
+    out = capsys.readouterr().out
+    assert "sdpa/nprf" in out and "nprf/floor" in out and "training step" in out
+
+
+def test_long_sequence_floor_is_identity_attention(long_sequence):
+    import torch
+
+    args = long_sequence.parse_args(TINY + ["--variants", "floor"])
+    model = long_sequence.build_model("floor", args, 16).eval()
+    attention = model.encoder.layer[0].attention.self
+    hidden = torch.randn(1, 16, 32)
+    output, _ = attention(hidden)
+    torch.testing.assert_close(output, attention.value(hidden))
+
+
+def test_long_sequence_isolated_point_and_time_cap(long_sequence):
+    args = long_sequence.parse_args(TINY + ["--repeats", "0", "--time-cap", "120"])
+    result = long_sequence.run_point("sdpa", "train", 32, args, 32)
+    assert result["status"] == "ok", result
+    assert result["peak_memory_bytes"] > 0
+    args.time_cap = 0.01
+    assert long_sequence.run_point("sdpa", "forward", 32, args, 32)["status"] == "time cap"
+
+
+def test_long_sequence_skips_instead_of_running_out_of_memory(long_sequence):
+    args = long_sequence.parse_args(TINY + ["--mem-budget-gb", "0.001"])
+    assert "predicted out of memory" in long_sequence.skip_reason("eager", "forward", 4096, args, [])
+    assert long_sequence.skip_reason("sdpa", "forward", 4096, args, []) is None
+    done = [{"variant": "sdpa", "mode": "train", "n": 512, "status": "out of memory"}]
+    assert "out of memory at n=512" in long_sequence.skip_reason("sdpa", "train", 1024, args, done)
+    args.time_cap = 10
+    done = [{"variant": "nprf", "mode": "forward", "n": 512, "status": "ok", "time_s": 4.0, "warmup_s": 4.0}]
+    assert "predicted" in long_sequence.skip_reason("nprf", "forward", 1024, args, done)
+
+
+def test_long_sequence_rejects_bad_arguments(long_sequence):
+    with pytest.raises(SystemExit):
+        long_sequence.parse_args(["--hidden-size", "30", "--num-heads", "4"])
+    with pytest.raises(SystemExit):
+        long_sequence.parse_args(["--device", "tpu"])
+    with pytest.raises(SystemExit):
+        long_sequence.parse_args(["--algorithm", "fast"])
+
+
+def test_approximation_reproduces_the_qualitative_result(approximation, tmp_path):
+    stem = str(tmp_path / "approx")
+    result = approximation.main(["--scales", "0.5", "4", "--num-features", "4", "64", "--draws", "4",
+                                 "--num-tokens", "32", "--head-dim", "16", "--betas", "0", "10",
+                                 "--num-heads", "2", "--output", stem])
+    error = {(r["scale"], r["kind"], r["num_features"]): r["tv_error"] for r in result["approximation"]}
+    for kind in ("orf", "prf"):
+        for m in (4, 64):
+            assert error[(4.0, kind, m)] > 2 * error[(0.5, kind, m)]
+        assert error[(0.5, kind, 64)] < error[(0.5, kind, 4)]
+        assert error[(0.5, kind, 64)] < 0.1
+    flat, peaked = result["sharpness"]
+    assert flat["nprf"]["max_weight"] < 2 * result["max_weight_bound_without_rpe"]
+    assert peaked["nprf"]["previous_token_weight"] > 0.9
+    assert peaked["nprf"]["entropy"] < 0.5 * flat["nprf"]["entropy"]
+    assert abs(peaked["nprf"]["previous_token_weight"] - peaked["exact"]["previous_token_weight"]) < 0.05
+    with open(stem + ".json") as f:
+        assert json.load(f)["sharpness"][1]["beta"] == 10
+    assert os.path.getsize(stem + ".png") > 1000
+
+
+def test_approximation_rejects_bad_arguments(approximation):
+    with pytest.raises(SystemExit):
+        approximation.parse_args(["--scales", "0"])
+    with pytest.raises(SystemExit):
+        approximation.parse_args(["--kinds", "gaussian"])

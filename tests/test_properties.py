@@ -1,0 +1,213 @@
+"""Property tests (hypothesis) of NPRF attention, random shapes and masks (issue 6):
+
+- every exact algorithm (dense, fft, banded, auto; band width given or inferred) equals a float64 reference;
+- padding invariance: a padded sequence's real positions equal the sequence alone;
+- batch independence: a sequence's output does not depend on its batch mates;
+both for nprf_hf.functional.nprf_attention and through tiny models (BERT encoder, RoBERTa decoder).
+Everything is float64, so tolerances are tight. BANDED_MIN_CHUNK is lowered to 4 for this module so
+that the chunked banded algorithm runs at these small lengths.
+"""
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers.models.t5.modeling_t5 import T5Attention
+
+from nprf_hf import NPRFBertConfig, NPRFBertModel, NPRFRobertaConfig, NPRFRobertaForCausalLM
+from nprf_hf import functional as Fn
+
+
+SETTINGS = settings(max_examples=25, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+EXACT = ("dense", "fft", "banded")
+BUCKETS = [(4, 8), (8, 20), (16, 32)]  # (num_buckets, max_distance): band widths 1..27
+
+
+@pytest.fixture(scope="module", autouse=True)
+def small_chunks():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Fn, "BANDED_MIN_CHUNK", 4)
+        yield
+
+
+def close(actual, expected):
+    torch.testing.assert_close(actual, expected, rtol=1e-9, atol=1e-11)
+
+
+# ---------------------------------------------------------------------------------------------
+# The functional API
+# ---------------------------------------------------------------------------------------------
+
+
+@st.composite
+def attention_cases(draw):
+    batch, n = draw(st.integers(1, 3)), draw(st.integers(1, 48))
+    return {
+        "batch": batch,
+        "heads": draw(st.integers(1, 2)),
+        "n": n,
+        "d": draw(st.sampled_from([2, 4, 8])),
+        "m": draw(st.integers(1, 12)),
+        "buckets": draw(st.sampled_from(BUCKETS)),
+        "bias_scale": draw(st.sampled_from([0.1, 1.0, 3.0])),
+        "causal": draw(st.booleans()),
+        "per_head": draw(st.booleans()),
+        "lengths": draw(st.lists(st.integers(0, n), min_size=batch, max_size=batch)),
+        "seed": draw(st.integers(0, 2**31 - 1)),
+    }
+
+
+def build(case):
+    """(query, key, value, bias table, projection, key padding mask [B, n] bool) from a case."""
+    generator = torch.Generator().manual_seed(case["seed"])
+    batch, heads, n, d = case["batch"], case["heads"], case["n"], case["d"]
+    q, k, v = torch.randn(3, batch, heads, n, d, generator=generator, dtype=torch.float64).unbind(0)
+    table = torch.randn(heads, case["buckets"][0], generator=generator, dtype=torch.float64) * case["bias_scale"]
+    projection = Fn.draw_projection(
+        case["m"], d, num_heads=heads if case["per_head"] else None, generator=generator, dtype=torch.float64
+    )
+    mask = torch.arange(n)[None, :] < torch.tensor(case["lengths"])[:, None]
+    return q, k, v, table, projection, mask
+
+
+def bias_for(case, table, n):
+    num_buckets, max_distance = case["buckets"]
+    return Fn.relative_position_bias(table, n, not case["causal"], num_buckets, max_distance)
+
+
+def band_width(case):
+    return Fn.rpe_band_width(*case["buckets"], bidirectional=not case["causal"])
+
+
+def reference(case, q, k, v, table, projection, mask):
+    """Float64 n x n formula of the paper, buckets from HF's T5Attention; rows with no key are zero."""
+    n = q.shape[-2]
+    q, k = q / q.norm(dim=-1, keepdim=True), k / k.norm(dim=-1, keepdim=True)
+    if projection.dim() == 2:
+        projection = projection.expand(q.shape[1], *projection.shape)
+    m = projection.shape[1]
+    phi_q = torch.exp(torch.einsum("bhnd,hmd->bhnm", q, projection) - 0.5) / math.sqrt(m)
+    phi_k = torch.exp(torch.einsum("bhnd,hmd->bhnm", k, projection) - 0.5) / math.sqrt(m)
+    relative = torch.arange(n)[None, :] - torch.arange(n)[:, None]
+    buckets = T5Attention._relative_position_bucket(relative, not case["causal"], *case["buckets"])
+    weights = phi_q @ phi_k.transpose(-1, -2) * torch.exp(table[:, buckets]) * mask[:, None, None, :]
+    if case["causal"]:
+        weights = weights * (relative <= 0)
+    total = weights.sum(-1, keepdim=True)
+    return torch.where(total > 0, weights @ v / torch.where(total > 0, total, 1.0), 0.0)
+
+
+@SETTINGS
+@given(case=attention_cases())
+def test_every_exact_algorithm_equals_the_float64_reference(case):
+    q, k, v, table, projection, mask = build(case)
+    bias = bias_for(case, table, case["n"])
+    expected = reference(case, q, k, v, table, projection, mask)
+    for algorithm in (*EXACT, "auto"):
+        for width in (None, band_width(case)):
+            out = Fn.nprf_attention(q, k, v, bias, projection, mask, algorithm, case["causal"], width)
+            close(out, expected)
+    assert (expected[torch.tensor(case["lengths"]) == 0] == 0).all()  # sequences with no token at all
+
+
+@SETTINGS
+@given(case=attention_cases(), algorithm=st.sampled_from(EXACT))
+def test_padding_invariance_and_batch_independence(case, algorithm):
+    q, k, v, table, projection, mask = build(case)
+    causal, width = case["causal"], band_width(case)
+    out = Fn.nprf_attention(q, k, v, bias_for(case, table, case["n"]), projection, mask, algorithm, causal, width)
+    for b, length in enumerate(case["lengths"]):
+        # batch independence: the same row alone, padding included
+        alone = Fn.nprf_attention(
+            q[b : b + 1], k[b : b + 1], v[b : b + 1], bias_for(case, table, case["n"]), projection, mask[b : b + 1],
+            algorithm, causal, width,
+        )
+        close(out[b : b + 1], alone)
+        if length == 0:
+            continue
+        # padding invariance: the real tokens alone, without padding and without a mask
+        unpadded = Fn.nprf_attention(
+            q[b : b + 1, :, :length], k[b : b + 1, :, :length], v[b : b + 1, :, :length],
+            bias_for(case, table, length), projection, None, algorithm, causal, width,
+        )
+        close(out[b : b + 1, :, :length], unpadded)
+
+
+# ---------------------------------------------------------------------------------------------
+# Through tiny models
+# ---------------------------------------------------------------------------------------------
+
+
+TINY = dict(
+    vocab_size=99,
+    hidden_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    intermediate_size=24,
+    max_position_embeddings=64,
+    num_random_features=8,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+    rpe_num_buckets=6,  # band width 4 (encoder) / 8 (decoder): banded chunks from n = 13 / 22 on
+    rpe_max_distance=12,
+)
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch.manual_seed(0)
+    encoder = NPRFBertModel(NPRFBertConfig(**TINY), add_pooling_layer=False)
+    decoder = NPRFRobertaForCausalLM(NPRFRobertaConfig(**TINY, pad_token_id=1, is_decoder=True))
+    built = {}
+    for name, model in (("bert", encoder), ("roberta-decoder", decoder)):
+        model = model.double().eval()
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for param_name, param in model.named_parameters():
+                if param_name.endswith("rpe_table"):
+                    param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float64))
+        built[name] = model
+    return built
+
+
+def main_output(model, **inputs):
+    output = model(**inputs)
+    return output.logits if hasattr(output, "logits") else output.last_hidden_state
+
+
+@st.composite
+def model_cases(draw):
+    batch, n = draw(st.integers(1, 3)), draw(st.integers(1, 40))
+    return {
+        "family": draw(st.sampled_from(["bert", "roberta-decoder"])),
+        "batch": batch,
+        "n": n,
+        "lengths": draw(st.lists(st.integers(1, n), min_size=batch, max_size=batch)),
+        "seed": draw(st.integers(0, 2**31 - 1)),
+    }
+
+
+@SETTINGS
+@given(case=model_cases())
+def test_model_algorithms_agree_padding_invariance_and_batch_independence(models, case):
+    model = models[case["family"]]
+    pad = model.config.pad_token_id or 0
+    generator = torch.Generator().manual_seed(case["seed"])
+    input_ids = torch.randint(3, TINY["vocab_size"], (case["batch"], case["n"]), generator=generator)
+    mask = torch.arange(case["n"])[None, :] < torch.tensor(case["lengths"])[:, None]
+    input_ids = input_ids.masked_fill(~mask, pad)
+    outputs = {}
+    try:
+        for algorithm in EXACT:
+            model.config.attention_algorithm = algorithm
+            outputs[algorithm] = main_output(model, input_ids=input_ids, attention_mask=mask.long())
+    finally:
+        model.config.attention_algorithm = "auto"
+    real = mask[:, :, None].expand_as(outputs["dense"])
+    for algorithm in ("fft", "banded"):
+        close(outputs[algorithm][real], outputs["dense"][real])
+    for b, length in enumerate(case["lengths"]):  # each sequence alone, unpadded, no mask ("auto")
+        alone = main_output(model, input_ids=input_ids[b : b + 1, :length])
+        close(outputs["dense"][b : b + 1, :length], alone)
