@@ -205,7 +205,7 @@ def nprf_attention(
         out = _banded_toeplitz_attention(phi_q, phi_k, u, c, band_width, causal)
 
     numerator, denominator = out[..., :-1], out[..., -1:]
-    valid = denominator > 0
+    valid = denominator != 0  # exact sums are >= 0; NaN stays NaN, so a diverging run is not hidden
     if mask is not None:  # FFT rounding can leave tiny non-zero sums on rows with no key at all
         kept = mask > 0
         has_key = kept.cumsum(-1) > 0 if causal else kept.any(-1, keepdim=True)

@@ -244,6 +244,14 @@ def test_half_inputs_with_large_activations_stay_finite(algorithm):
     assert rel_error(out, reference_attention(q16, k16, v16, bias, projection)) <= 1e-2
 
 
+@pytest.mark.parametrize("algorithm", EXACT)
+def test_nan_inputs_are_not_hidden(algorithm):
+    q, k, v, projection = random_inputs(1, 2, 20, 8, 4)
+    q[0, 0, 3] = float("nan")
+    out = Fn.nprf_attention(q, k, v, t5_bias(2, 20, 8, 20), projection, algorithm=algorithm)
+    assert torch.isnan(out[0, 0, 3]).all() and torch.isfinite(out[0, 1]).all()
+
+
 # --- padding ---------------------------------------------------------------------------------------
 
 
