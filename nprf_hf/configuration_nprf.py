@@ -28,9 +28,10 @@ Both configs are the HF ones plus the fields below (defaults and why):
 
 from transformers import BertConfig, RobertaConfig
 
+from .functional import ALGORITHMS as ATTENTION_ALGORITHMS
+from .functional import FEATURE_MAPS
 
-FEATURE_MAPS = ("orf", "prf")
-ATTENTION_ALGORITHMS = ("auto", "dense", "fft", "banded")
+
 POSITION_EMBEDDING_TYPES = ("absolute", "none")
 
 NPRF_BERT_AUTO_MAP = {

@@ -514,14 +514,13 @@ class NPRFBertEmbeddings(BertEmbeddings):
         return self.dropout(embeddings)
 
 
-class NPRFBertPreTrainedModel(BertPreTrainedModel):
-    config: NPRFBertConfig
-    config_class = NPRFBertConfig
-    base_model_prefix = "bert"
+class NPRFPreTrainedMixin:
+    """What the BERT and RoBERTa NPRF pre-trained bases share: masks come as HF builds them for sdpa /
+    eager (no flash / flex / attention backends), and `_init_weights` also (re)builds the NPRF tensors."""
+
     _supports_flash_attn = False
     _supports_flex_attn = False
     _supports_attention_backend = False
-    _no_split_modules = ["NPRFBertEmbeddings", "NPRFLayer"]
     # The heads' losses are batch means that ignore `num_items_in_batch`: tell the Trainer, or it scales
     # them by the number of processes and skips the division by the accumulation steps.
     accepts_loss_kwargs = False
@@ -535,6 +534,13 @@ class NPRFBertPreTrainedModel(BertPreTrainedModel):
     def _init_weights(self, module):
         super()._init_weights(module)
         _init_nprf_weights(module)
+
+
+class NPRFBertPreTrainedModel(NPRFPreTrainedMixin, BertPreTrainedModel):
+    config: NPRFBertConfig
+    config_class = NPRFBertConfig
+    base_model_prefix = "bert"
+    _no_split_modules = ["NPRFBertEmbeddings", "NPRFLayer"]
 
 
 class NPRFBertModel(NPRFBertPreTrainedModel, BertModel):
@@ -648,27 +654,11 @@ class NPRFRobertaEmbeddings(RobertaEmbeddings):
         return self.dropout(embeddings)
 
 
-class NPRFRobertaPreTrainedModel(RobertaPreTrainedModel):
+class NPRFRobertaPreTrainedModel(NPRFPreTrainedMixin, RobertaPreTrainedModel):
     config: NPRFRobertaConfig
     config_class = NPRFRobertaConfig
     base_model_prefix = "roberta"
-    _supports_flash_attn = False
-    _supports_flex_attn = False
-    _supports_attention_backend = False
     _no_split_modules = ["NPRFRobertaEmbeddings", "NPRFLayer"]
-    # The heads' losses are batch means that ignore `num_items_in_batch`: tell the Trainer, or it scales
-    # them by the number of processes and skips the division by the accumulation steps.
-    accepts_loss_kwargs = False
-    _can_record_outputs = {
-        "hidden_states": NPRFLayer,
-        "attentions": NPRFSelfAttention,
-        "cross_attentions": BertCrossAttention,
-    }
-
-    @torch.no_grad()
-    def _init_weights(self, module):
-        super()._init_weights(module)
-        _init_nprf_weights(module)
 
 
 class NPRFRobertaModel(NPRFRobertaPreTrainedModel, RobertaModel):
