@@ -88,10 +88,11 @@ def matmul_gflops(device, size=2048):
 
 def banded_flops(batch, heads, n, d, m, band_width=91):
     """Multiply-adds x 2 of the banded algorithm's matmuls and feature maps (forward)."""
-    chunk = max(band_width - 1, Fn.BANDED_MIN_CHUNK)
+    reach, chunk = Fn._banded_chunking(band_width)
+    window = (2 * reach + 1) * chunk
     chunks = -(-n // chunk)
     e = d + 1
-    per_chunk = 2 * chunk * (3 * chunk * m + 3 * chunk * e + 2 * m * e + 2 * m * d)
+    per_chunk = 2 * chunk * (window * m + window * e + 2 * m * e + 2 * m * d)
     return batch * heads * chunks * per_chunk
 
 
