@@ -14,7 +14,6 @@ torch.cuda.max_memory_allocated above the memory allocated before the call.
 
 import argparse
 import json
-import math
 import os
 import platform
 import statistics

@@ -12,7 +12,6 @@
         -> `add_card_subcommand(subparsers)` registers it on the `nprf-hf` parser; `main(argv)` runs it alone.
 """
 
-import argparse
 import json
 import os
 import re
@@ -539,13 +538,9 @@ def run_card(args):
 
 def main(argv=None):
     """`nprf-hf card` on its own: main(["MODEL_DIR", "--eval-results", "eval_results.json", ...])."""
-    parser = _add_card_arguments(argparse.ArgumentParser(prog="nprf-hf card", description=add_card_subcommand.__doc__))
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except (ValueError, OSError) as error:
-        print(f"nprf-hf card: error: {error}", file=sys.stderr)
-        return 2
+    from .cli import main as cli_main
+
+    return cli_main(["card", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -1,7 +1,6 @@
 """Conversion of BERT / RoBERTa checkpoints to NPRF (nprf_hf.convert, `nprf-hf convert`)."""
 
 import json
-import math
 import os
 import subprocess
 import sys

@@ -2,7 +2,6 @@
 
 References are float64 and written here from the paper's formula (T5 buckets from HF's T5Attention)."""
 
-import copy
 import math
 
 import pytest
