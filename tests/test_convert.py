@@ -39,6 +39,7 @@ from nprf_hf.convert import (
 from nprf_hf.functional import t5_relative_position_bucket
 
 
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WIKITEXT = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "wikitext-2", "valid.txt")
 
 
@@ -159,9 +160,9 @@ def test_minilm_reloads_with_remote_code_in_clean_process(minilm_converted, tmp_
         expected = NPRFBertModel.from_pretrained(out)(**batch).last_hidden_state
     torch.save({"batch": dict(batch), "expected": expected}, tmp_path / "io.pt")
     script = f"""
-import sys
+import os, sys
 sys.modules["nprf_hf"] = None  # the installed package must not be used
-sys.path = [p for p in sys.path if "work/main" not in p and p not in ("", ".")]
+sys.path = [p for p in sys.path if p not in ("", ".") and os.path.abspath(p) != {REPO_ROOT!r}]
 import torch
 from transformers import AutoModel
 io = torch.load({str(tmp_path / 'io.pt')!r})
@@ -172,7 +173,7 @@ with torch.no_grad():
 assert torch.allclose(got, io["expected"], atol=1e-5), (got - io["expected"]).abs().max()
 print("REMOTE_OK", type(model).__name__)
 """
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH="")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH="", HF_MODULES_CACHE=str(tmp_path / "modules"))
     result = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300
     )
