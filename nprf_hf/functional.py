@@ -151,8 +151,10 @@ def positive_random_features(x, projection):
         wx = x @ projection.t()
     else:
         raise ValueError(f"projection must be [m, d] or [H, m, d], got {tuple(projection.shape)}")
-    half_sq_norm = 0.5 * (x * x).sum(-1, keepdim=True)
-    return torch.exp(wx - half_sq_norm) / math.sqrt(projection.shape[-2])
+    # exp(Wx - |x|^2/2 - log(m)/2): one exponent, updated in place (the matmul's backward does not need
+    # its output, and exp_'s backward uses its result), so the [..., m] tensor is written only twice.
+    shift = 0.5 * torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() + 0.5 * math.log(projection.shape[-2])
+    return wx.sub_(shift).exp_()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,93 +290,142 @@ def _banded_toeplitz_attention(phi_q, phi_k, u, c, band_width, causal):
         return _dense_toeplitz_attention(phi_q, phi_k, u, c)
     padded = num_chunks * chunk
     window = (2 * reach + 1 if not causal else reach + 1) * chunk
-    # Every head's sequence gets R zero chunks on each side: [B, H, slots, s, .] with slots = chunks + 2R.
-    # Flattened over (B, H, slots), all windows then have one stride and the matmuls need no copies;
-    # the slots of the zero chunks compute (small) garbage that is dropped at the end.
-    slots = num_chunks + 2 * reach
-    pads = (0, 0, reach * chunk, padded - n + reach * chunk)
-    q_slots = F.pad(phi_q, pads).view(batch * heads * slots, chunk, m)
-    k_slots = F.pad(phi_k, pads).view(batch * heads * slots, chunk, m)
-    u_slots = F.pad(u, pads).view(batch * heads * slots, chunk, e)
+    # Keys get R zero chunks in front (and behind, unless causal): chunk k's window then starts at
+    # row k s of its head's keys, so unfolding the rows with step s yields exactly one window per chunk.
+    pads = (0, 0, reach * chunk, padded - n + (0 if causal else reach * chunk))
+    k_rows = F.pad(phi_k, pads).view(batch * heads, -1, m)
+    u_rows = F.pad(u, pads).view(batch * heads, -1, e)
+    q_chunks = (F.pad(phi_q, (0, 0, 0, padded - n)) if padded > n else phi_q).reshape(-1, chunk, m)
 
-    # Near part: the window of slot p starts R chunks before it. Query a and window key w are at
-    # distance r = w - R s - a; one [H, s, window] coefficient block serves every slot.
-    def extend(x):  # [B*H*slots, s, f] -> [rows, f], zero rows so that slot p's window starts at row p*s
-        return F.pad(x.view(-1, x.shape[-1]), (0, 0, reach * chunk, window - (reach + 1) * chunk))
-
+    # Near part. Query a and window key w are at distance r = w - R s - a; one [H, s, window]
+    # coefficient block serves every chunk (clamped entries only ever meet zero keys).
     offsets = torch.arange(window, device=c.device)[None, :] - reach * chunk - torch.arange(chunk, device=c.device)[:, None]
-    coefficients = c[:, (offsets + n - 1).clamp(0, 2 * n - 2)]  # [H, s, window]; clamped entries meet zero keys
-    out = _BandWindowProduct.apply(q_slots, extend(k_slots), extend(u_slots), coefficients, batch)
+    coefficients = c[:, (offsets + n - 1).clamp(0, 2 * n - 2)]
+    out = _BandWindowProduct.apply(q_chunks, k_rows, u_rows, coefficients)
 
-    # Far part: prefix sums of the chunk states up to slot p-R-1 (and suffix sums from slot p+R+1).
-    states = (k_slots.transpose(-1, -2) @ u_slots).view(batch, heads, slots, m * e)
-    shift = reach + 1
-    far = c[:, :1, None] * F.pad(states.cumsum(2)[:, :, :-shift], (0, 0, shift, 0))
-    if not causal:
-        suffix = states.flip(2).cumsum(2).flip(2)  # not total - prefix: that cancels badly near the end
-        far = far + c[:, -1:, None] * F.pad(suffix[:, :, shift:], (0, 0, 0, shift))
-    out = torch.baddbmm(out, q_slots, far.view(-1, m, e)).view(batch, heads, slots, chunk, e)
-    return out[:, :, reach : reach + num_chunks].reshape(batch, heads, padded, e)[:, :, :n]
+    # Far part: chunk k gets c_far^- times the states of chunks <= k-R-1 (and c_far^+ times those >= k+R+1).
+    states = torch.bmm(k_rows.view(-1, chunk, m).transpose(-1, -2), u_rows.view(-1, chunk, e))
+    states = states.view(batch, heads, -1, m * e)  # [B, H, R + chunks (+ R), m e], the padding chunks hold zeros
+    far = _FarStates.apply(states, c[:, 0], None if causal else c[:, -1], num_chunks, reach)
+    out = out.baddbmm_(q_chunks, far.view(-1, m, e))
+    return out.view(batch, heads, padded, e)[:, :, :n]
 
 
 class _BandWindowProduct(torch.autograd.Function):
-    """out[p] = ((q[p] @ K_p) * coefficients) @ U_p for every slot p, K_p / U_p its window of keys.
+    """out[k] = ((q[k] @ K_k) * coefficients) @ U_k for every chunk k, K_k / U_k its window of keys.
 
-    q: [B*H*slots, s, m]; k_rows: [rows, m], u_rows: [rows, e] with slot p's window at rows
-    p*s .. p*s + window; coefficients: [H, s, window]. The [slots, s, window] weights are the
-    largest tensors of the banded algorithm: forward scales them in place, and backward recomputes
-    them instead of keeping them, which saves memory and memory traffic.
+    q: [B*H*chunks, s, m]; k_rows: [B*H, rows, m], u_rows: [B*H, rows, e] with chunk k's window at
+    rows k*s .. k*s + window of its head; coefficients: [H, s, window]. The [chunks, s, window]
+    weights are the largest tensors of the banded algorithm: forward scales them in place, a group of
+    chunks at a time so that they stay in cache, and backward recomputes them instead of keeping them.
     """
 
     @staticmethod
-    def forward(ctx, q, k_rows, u_rows, coefficients, batch):
+    def forward(ctx, q, k_rows, u_rows, coefficients):
         heads, chunk, window = coefficients.shape
-        k_windows = k_rows.unfold(0, window, chunk)
-        u_windows = u_rows.unfold(0, window, chunk).transpose(-1, -2)
+        sequences = k_rows.shape[0]
+        num_chunks = q.shape[0] // sequences
+        k_windows = k_rows.unfold(1, window, chunk)  # [B*H, chunks, m, window], a view
+        u_windows = u_rows.unfold(1, window, chunk).transpose(-1, -2)  # [B*H, chunks, window, e]
         out = q.new_empty(q.shape[0], chunk, u_rows.shape[-1])
-        slots = q.shape[0] // (batch * heads)
-        # A group of slots at a time keeps the weights in cache (1.5x faster than one big product).
-        for start in range(0, q.shape[0], slots):
-            coefficient = coefficients[(start // slots) % heads]
-            for first in range(start, start + slots, BANDED_GROUP):
-                group = slice(first, min(first + BANDED_GROUP, start + slots))
-                weights = torch.bmm(q[group], k_windows[group]).mul_(coefficient)
-                torch.bmm(weights, u_windows[group], out=out[group])
+        for sequence in range(sequences):
+            coefficient = coefficients[sequence % heads]
+            for first in range(0, num_chunks, BANDED_GROUP):
+                last = min(first + BANDED_GROUP, num_chunks)
+                rows = slice(sequence * num_chunks + first, sequence * num_chunks + last)
+                weights = torch.bmm(q[rows], k_windows[sequence, first:last]).mul_(coefficient)
+                torch.bmm(weights, u_windows[sequence, first:last], out=out[rows])
         ctx.save_for_backward(q, k_rows, u_rows, coefficients)
-        ctx.batch = batch
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k_rows, u_rows, coefficients = ctx.saved_tensors
         heads, chunk, window = coefficients.shape
-        flat = (ctx.batch, heads, -1, chunk * window)
-        k_windows = k_rows.unfold(0, window, chunk)  # [P, m, window]
-        u_windows = u_rows.unfold(0, window, chunk)  # [P, e, window]
+        sequences = k_rows.shape[0]
+        num_chunks = q.shape[0] // sequences
+        k_windows = k_rows.unfold(1, window, chunk)  # [B*H, chunks, m, window]
+        u_windows = u_rows.unfold(1, window, chunk)  # [B*H, chunks, e, window]
         grad_out = grad_out.contiguous()
-        scores = torch.bmm(q, k_windows)
-        grad_weights = torch.bmm(grad_out, u_windows)
-        grad_coefficients = None
-        if ctx.needs_input_grad[3]:
-            grad_coefficients = (scores * grad_weights).view(flat).sum((0, 2)).view(heads, chunk, window)
-        scale = coefficients.view(heads, 1, chunk * window)
-        weights = scores.view(flat).mul_(scale).view_as(scores)
-        grad_u = _fold_windows(torch.bmm(weights.transpose(-1, -2), grad_out), u_rows.shape[0], chunk)
-        grad_scores = grad_weights.view(flat).mul_(scale).view_as(grad_weights)
-        grad_q = torch.bmm(grad_scores, k_windows.transpose(-1, -2))
-        grad_k = _fold_windows(torch.bmm(grad_scores.transpose(-1, -2), q), k_rows.shape[0], chunk)
-        return grad_q, grad_k, grad_u, grad_coefficients, None
+        grad_q = torch.empty_like(q)
+        grad_k = torch.zeros_like(k_rows)
+        grad_u = torch.zeros_like(u_rows)
+        grad_coefficients = torch.zeros_like(coefficients) if ctx.needs_input_grad[3] else None
+        for sequence in range(sequences):
+            coefficient = coefficients[sequence % heads]
+            for first in range(0, num_chunks, BANDED_GROUP):
+                last = min(first + BANDED_GROUP, num_chunks)
+                rows = slice(sequence * num_chunks + first, sequence * num_chunks + last)
+                q_group, grad_group = q[rows], grad_out[rows]
+                k_group, u_group = k_windows[sequence, first:last], u_windows[sequence, first:last]
+                scores = torch.bmm(q_group, k_group)
+                grad_weights = torch.bmm(grad_group, u_group)
+                if grad_coefficients is not None:
+                    grad_coefficients[sequence % heads] += (scores * grad_weights).sum(0)
+                weights = scores.mul_(coefficient)
+                _fold_windows(torch.bmm(weights.transpose(-1, -2), grad_group), grad_u[sequence], first, chunk)
+                grad_scores = grad_weights.mul_(coefficient)
+                torch.bmm(grad_scores, k_group.transpose(-1, -2), out=grad_q[rows])
+                _fold_windows(torch.bmm(grad_scores.transpose(-1, -2), q_group), grad_k[sequence], first, chunk)
+        return grad_q, grad_k, grad_u, grad_coefficients
 
 
-def _fold_windows(window_grads, rows, chunk):
-    """Sum the gradients of overlapping windows back onto rows: [P, window, f] -> [rows, f]."""
-    slots, window, features = window_grads.shape
-    out = window_grads.new_zeros(rows, features)
-    for block in range(window // chunk):  # window_grads[p, block] belongs to rows (p + block) * s ...
-        out[block * chunk : (block + slots) * chunk].view(slots, chunk, features).add_(
-            window_grads[:, block * chunk : (block + 1) * chunk]
-        )
-    return out
+def _fold_windows(window_grads, rows, first, chunk):
+    """Add the gradients of overlapping windows onto their rows: window_grads [G, window, f] belongs to
+    windows first .. first + G, window k covering rows k*s .. k*s + window of `rows` [rows, f]."""
+    count, window, features = window_grads.shape
+    for block in range(window // chunk):  # window_grads[k, block] belongs to rows (first + k + block) * s ...
+        start = (first + block) * chunk
+        rows[start : start + count * chunk].view(count, chunk, features).add_(window_grads[:, block * chunk : (block + 1) * chunk])
+
+
+class _FarStates(torch.autograd.Function):
+    """far[k] = c_before * sum_{j <= k-1} states[j] + c_after * sum_{j >= k+2R+1} states[j] for k < chunks.
+
+    states: [B, H, S, f] chunk states in the padded layout (R zero chunks in front, so j <= k-1 are
+    the chunks at least R+1 before chunk k); c_before, c_after: [H] (c_after None when causal).
+    Returns [B, H, chunks, f]. Running sums updated in place, one chunk at a time: a single pass over
+    the states each way (torch.cumsum plus flips and pads cost many more on CPU).
+    """
+
+    @staticmethod
+    def forward(ctx, states, c_before, c_after, num_chunks, reach):
+        batch, heads, slots, features = states.shape
+        far = states.new_empty(batch, heads, num_chunks, features)
+        far[:, :, 0].zero_()
+        scale = c_before.view(1, heads, 1)
+        for k in range(1, num_chunks):
+            torch.addcmul(far[:, :, k - 1], states[:, :, k - 1], scale, out=far[:, :, k])
+        if c_after is not None:
+            scale = c_after.view(1, heads, 1)
+            running = states.new_zeros(batch, heads, features)
+            for k in range(num_chunks - 2, -1, -1):
+                running.addcmul_(states[:, :, k + 2 * reach + 1], scale)
+                far[:, :, k].add_(running)
+        ctx.save_for_backward(states, c_before, c_after)
+        ctx.num_chunks, ctx.reach = num_chunks, reach
+        return far
+
+    @staticmethod
+    def backward(ctx, grad_far):
+        states, c_before, c_after = ctx.saved_tensors
+        num_chunks, gap = ctx.num_chunks, 2 * ctx.reach + 1
+        batch, heads, slots, features = states.shape
+        # before[j] = sum_{k > j} grad_far[k]; after[j] = sum_{k <= j - gap} grad_far[k].
+        before = torch.zeros_like(states)
+        for j in range(num_chunks - 2, -1, -1):
+            torch.add(before[:, :, j + 1], grad_far[:, :, j + 1], out=before[:, :, j])
+        grad_before = (before * states).sum((0, 2, 3)) if ctx.needs_input_grad[1] else None
+        grad_states = before.mul_(c_before.view(1, heads, 1, 1))
+        grad_after = None
+        if c_after is not None:
+            after = torch.zeros_like(states)
+            for j in range(gap, gap + num_chunks - 1):
+                torch.add(after[:, :, j - 1], grad_far[:, :, j - gap], out=after[:, :, j])
+            if ctx.needs_input_grad[2]:
+                grad_after = (after * states).sum((0, 2, 3))
+            grad_states.add_(after.mul_(c_after.view(1, heads, 1, 1)))
+        return grad_states, grad_before, grad_after, None, None
 
 
 def _banded_chunking(band_width):
