@@ -30,11 +30,12 @@ BANDED_REACH = 1
 # Slots per product in the banded forward: [32, s, 3s] weights stay in cache.
 BANDED_GROUP = 32
 # `auto` crossovers, measured on the 2-core CPU (B=1, H=12, d=64, m=64, forward and forward+backward):
-# with a band, dense beats banded up to n ~ 1.3 x the banded window (about 435 tokens for T5's
-# default buckets: 384 -> dense, 512 -> banded); without a band (a bias learned per distance),
+# with a band, dense beats banded up to about the banded window's cost (about 334 tokens for T5's
+# default buckets: at 320 they tie, at 384 banded is 1.2x / 1.4x faster forward / forward+backward,
+# at 512 2.6x / 1.8x); without a band (a bias learned per distance),
 # fft only beats dense from about 8192 tokens (dense at 2048: 0.46 s vs fft 1.95 s forward, one
 # thread), where dense's n x n weights also stop fitting in memory.
-AUTO_DENSE_FACTOR = 1.3
+AUTO_DENSE_FACTOR = 1.0
 AUTO_FFT_MIN_LENGTH = 8192
 
 
@@ -214,8 +215,8 @@ def nprf_attention(
         kept = mask > 0
         has_key = kept.cumsum(-1) > 0 if causal else kept.any(-1, keepdim=True)
         valid = valid & has_key[:, None, :, None]
-    out = torch.where(valid, numerator / torch.where(valid, denominator, torch.ones_like(denominator)), 0.0)
-    return out.to(query.dtype)
+    out = numerator / torch.where(valid, denominator, torch.ones_like(denominator))
+    return out.masked_fill_(~valid, 0.0).to(query.dtype)  # in place: the division's backward needs only its inputs
 
 
 def nprf_attention_weights(query, key, rpe_bias, projection, key_padding_mask=None, causal=False):
@@ -261,15 +262,36 @@ def _fft_toeplitz_attention(phi_q, phi_k, u, c):
     zeros = c.new_zeros(c.shape[0], length - (2 * n - 1))
     kernel = torch.cat([c[:, :n].flip(-1), zeros, c[:, n:].flip(-1)], dim=-1)
     kernel_f = torch.fft.rfft(kernel, n=length)  # [H, length // 2 + 1]
-    scale_in_place = not (kernel_f.requires_grad and torch.is_grad_enabled())  # else mul needs the spectrum
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in (phi_q, phi_k, u, kernel_f)):
+        return _fft_toeplitz_inference(phi_q, phi_k, u, kernel_f, length)
     heads = []
     for h in range(phi_q.shape[1]):
         channels = phi_k[:, h].transpose(-1, -2).unsqueeze(2) * u[:, h].transpose(-1, -2).unsqueeze(1)  # [B, m, e, n]
         spectrum = torch.fft.rfft(F.pad(channels, (0, length - n)))  # padding first is much faster than rfft(n=)
-        spectrum = spectrum.mul_(kernel_f[h]) if scale_in_place else spectrum * kernel_f[h]
-        toeplitz = torch.fft.irfft(spectrum, n=length)[..., :n]  # D_i for every i: [B, m, e, n]
+        toeplitz = torch.fft.irfft(spectrum * kernel_f[h], n=length)[..., :n]  # D_i for every i: [B, m, e, n]
         heads.append((toeplitz * phi_q[:, h].transpose(-1, -2).unsqueeze(2)).sum(1).transpose(-1, -2))
     return torch.stack(heads, dim=1)
+
+
+def _fft_toeplitz_inference(phi_q, phi_k, u, kernel_f, length):
+    """`_fft_toeplitz_attention` without autograd: the channels are written straight into one zero-padded
+    buffer, the FFTs reuse their outputs across heads, and the readout accumulates over the m features,
+    so that the FFTs are most of the time."""
+    batch, heads, n, m = phi_q.shape
+    e = u.shape[-1]
+    channels = phi_q.new_zeros(batch, m, e, length)  # the tail [n, length) stays zero for every head
+    spectrum = toeplitz = None
+    out = phi_q.new_empty(batch, heads, e, n)
+    for h in range(heads):
+        torch.mul(phi_k[:, h].transpose(-1, -2).unsqueeze(2), u[:, h].transpose(-1, -2).unsqueeze(1), out=channels[..., :n])
+        spectrum = torch.fft.rfft(channels, out=spectrum)
+        spectrum.mul_(kernel_f[h])
+        toeplitz = torch.fft.irfft(spectrum, n=length, out=toeplitz)  # D_i for every i in [..., :n]
+        q_h = phi_q[:, h].transpose(-1, -2).unsqueeze(2)  # [B, m, 1, n]
+        acc = torch.mul(toeplitz[:, 0, :, :n], q_h[:, 0], out=out[:, h])
+        for feature in range(1, m):
+            acc.addcmul_(toeplitz[:, feature, :, :n], q_h[:, feature])
+    return out.transpose(-1, -2)
 
 
 def _banded_toeplitz_attention(phi_q, phi_k, u, c, band_width, causal):
