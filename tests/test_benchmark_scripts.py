@@ -118,3 +118,21 @@ def test_approximation_rejects_bad_arguments(approximation):
         approximation.parse_args(["--scales", "0"])
     with pytest.raises(SystemExit):
         approximation.parse_args(["--kinds", "gaussian"])
+
+
+def test_attention_benchmark_times_every_algorithm_and_reports_ratios(tmp_path, capsys):
+    attention = load_script("attention")
+    out = str(tmp_path / "attention.json")
+    attention.main(["--lengths", "64", "128", "--heads", "2", "--head-dim", "8", "--features", "4", "--threads", "1",
+                    "--min-time", "0", "--output", out])
+    with open(out) as f:
+        saved = json.load(f)
+    assert [(r["n"], r["pass"]) for r in saved["rows"]] == [(64, "fwd"), (64, "fwd+bwd"), (128, "fwd"), (128, "fwd+bwd")]
+    for row in saved["rows"]:
+        assert set(row["seconds"]) >= {"sdpa", "dense", "fft", "banded", "auto"}
+        assert all(t > 0 for t in row["seconds"].values())
+        assert set(row["peak_bytes"]) == set(row["seconds"]) - {"fft_floor"}
+    ratios = saved["summary"]["ratios"]
+    assert ratios["sdpa_over_auto_fwd_128"] == saved["rows"][2]["seconds"]["sdpa"] / saved["rows"][2]["seconds"]["auto"]
+    assert "auto_time_scaling_128" in ratios and "fft_over_floor_64" in ratios
+    assert "peak memory" in capsys.readouterr().out
