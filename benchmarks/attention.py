@@ -7,21 +7,22 @@ and the machine's fp32 matmul FLOP rate. Prints a table and writes JSON.
     python benchmarks/attention.py --threads 2 --output benchmarks/results/attention_cpu.json
 
 Times are taken first, with the allocator as users have it. Peak memory is measured afterwards, in
-a second pass (one call per point): on CPU the peak resident set size (VmHWM, reset through
-/proc/self/clear_refs) above the resident size before the call, with glibc told to mmap every
-block over 128 KiB (mallopt M_MMAP_THRESHOLD) so that freed tensors leave the resident set at once.
-That setting is kept out of the timings: it turns every large allocation into fresh pages, which
-slows allocation-heavy code several-fold. On CUDA it is torch.cuda.max_memory_allocated above the
-memory allocated before the call.
+a child process (one call per point): on CPU the peak resident set size (VmHWM, reset through
+/proc/self/clear_refs) above the resident size before the call, with glibc told from the start to
+mmap every block over 128 KiB (MALLOC_MMAP_THRESHOLD_) so that freed tensors leave the resident set
+at once. That setting is kept out of the timings: it turns every large allocation into fresh pages,
+which slows allocation-heavy code several-fold. On CUDA it is torch.cuda.max_memory_allocated above
+the memory allocated before the call.
 """
 
 import argparse
-import ctypes
 import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -83,17 +84,6 @@ def measure_peak(fn, device):
     fn()
     sync(device)
     return read_peak(device, start)
-
-
-def release_freed_memory_at_once():
-    """glibc: mmap blocks over 128 KiB, so that freed tensors leave the resident set (memory pass only)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
-        libc.malloc_trim(0)
-        return "VmHWM above the resident size before the call; glibc mmap threshold 128 KiB"
-    except (OSError, AttributeError):
-        return "VmHWM above the resident size before the call; allocator caching not controlled"
 
 
 def matmul_gflops(device, size=2048):
@@ -173,6 +163,7 @@ def main(argv=None):
     parser.add_argument("--memory-budget-gb", type=float, default=12.0, help="skip dense beyond this estimate")
     parser.add_argument("--min-time", type=float, default=1.0, help="seconds of repeats per point")
     parser.add_argument("--output", default="benchmarks/results/attention.json")
+    parser.add_argument("--memory-pass", action="store_true", help=argparse.SUPPRESS)  # the child process
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -182,11 +173,12 @@ def main(argv=None):
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or platform.machine(),
         "threads": args.threads,
         "torch": torch.__version__,
-        "matmul_gflops": matmul_gflops(device),
+        "matmul_gflops": None if args.memory_pass else matmul_gflops(device),
     }
-    print(f"# B={b} H={h} d={d} m={m} device={device} threads={args.threads} torch={torch.__version__}")
-    print(f"# fp32 matmul: {machine['matmul_gflops']:.1f} GFLOP/s")
-    print(f"{'n':>6} {'pass':>8} {'sdpa':>9} " + " ".join(f"{a:>9}" for a in ALGORITHMS) + f" {'fftfloor':>9} {'sdpa/auto':>9}")
+    if not args.memory_pass:
+        print(f"# B={b} H={h} d={d} m={m} device={device} threads={args.threads} torch={torch.__version__}")
+        print(f"# fp32 matmul: {machine['matmul_gflops']:.1f} GFLOP/s")
+        print(f"{'n':>6} {'pass':>8} {'sdpa':>9} " + " ".join(f"{a:>9}" for a in ALGORITHMS) + f" {'fftfloor':>9} {'sdpa/auto':>9}")
 
     def points(n, backward):
         """(inputs, {name: step}) for one row; the grad context must be entered by the caller."""
@@ -198,6 +190,23 @@ def main(argv=None):
         if not backward:
             steps["fft_floor"] = fft_floor_step(b, h, n, d, m, device)
         return inputs, steps
+
+    if args.memory_pass:  # the child: peak memory of one call per point, written as a list of rows
+        peaks = []
+        for n in args.lengths:
+            for backward in (False, True):
+                peak = {}
+                with torch.enable_grad() if backward else torch.inference_mode():
+                    inputs, steps = points(n, backward)
+                    for name, step in steps.items():
+                        if name != "fft_floor":
+                            peak[name] = measure_peak(step, device)
+                            for t in inputs:
+                                t.grad = None
+                peaks.append(peak)
+        with open(args.output, "w") as f:
+            json.dump(peaks, f)
+        return
 
     rows = []
     for n in args.lengths:
@@ -217,20 +226,23 @@ def main(argv=None):
             print(f"{n:>6} {row['pass']:>8} {seconds['sdpa']:9.4f} {cells} {floor} {seconds['sdpa'] / seconds['auto']:9.2f}", flush=True)
             rows.append(row)
 
-    machine["memory_method"] = release_freed_memory_at_once() if device.type == "cpu" else "torch.cuda.max_memory_allocated"
+    machine["memory_method"] = (
+        "VmHWM above the resident size before the call, in a child process with MALLOC_MMAP_THRESHOLD_=131072"
+        if device.type == "cpu" else "torch.cuda.max_memory_allocated above the allocation before the call"
+    )
+    with tempfile.TemporaryDirectory() as folder:
+        peaks_file = os.path.join(folder, "peaks.json")
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
+        command = [sys.executable, os.path.abspath(__file__), "--memory-pass"] + list(argv if argv is not None else sys.argv[1:])
+        subprocess.run(command + ["--output", peaks_file], env=env, check=True)
+        with open(peaks_file) as f:
+            peaks = json.load(f)
     print(f"# peak memory, MiB, one call each ({machine['memory_method']})")
     print(f"{'n':>6} {'pass':>8} {'sdpa':>9} " + " ".join(f"{a:>9}" for a in ALGORITHMS))
-    for row in rows:
-        with torch.enable_grad() if row["pass"] == "fwd+bwd" else torch.inference_mode():
-            inputs, steps = points(row["n"], row["pass"] == "fwd+bwd")
-            for name, step in steps.items():
-                if name != "fft_floor":
-                    row["peak_bytes"][name] = measure_peak(step, device)
-                    for t in inputs:
-                        t.grad = None
-        mem = row["peak_bytes"]
-        cells = " ".join(f"{mem[a] / 2**20:9.0f}" if a in mem else f"{'skip':>9}" for a in ALGORITHMS)
-        print(f"{row['n']:>6} {row['pass']:>8} {mem['sdpa'] / 2**20:9.0f} {cells}", flush=True)
+    for row, peak in zip(rows, peaks):
+        row["peak_bytes"] = peak
+        cells = " ".join(f"{peak[a] / 2**20:9.0f}" if a in peak else f"{'skip':>9}" for a in ALGORITHMS)
+        print(f"{row['n']:>6} {row['pass']:>8} {peak['sdpa'] / 2**20:9.0f} {cells}", flush=True)
     summary = summarize(rows, machine)
     for line in summary["lines"]:
         print(line)

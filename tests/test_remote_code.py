@@ -94,9 +94,9 @@ def saved(tmp_path_factory):
         input_ids, attention_mask = inputs_for(cls)
         folder = root / cls.__name__
         model.save_pretrained(folder)
-        # The reference is the same checkpoint loaded in-process: both loads then see the weights at the
-        # same memory alignment. (The model as built can differ in the last bit: safetensors leaves a
-        # [1, hidden] MultipleChoice classifier unaligned, and MKL rounds unaligned gemms differently.)
+        # The reference is the same checkpoint loaded in-process. (The model as built can differ in the last
+        # bit: safetensors leaves a [1, hidden] MultipleChoice classifier unaligned, and MKL rounds unaligned
+        # gemms differently.)
         reloaded = cls.from_pretrained(folder).eval()
         with torch.no_grad():
             reference = first_output(reloaded(input_ids=input_ids, attention_mask=attention_mask))
@@ -136,7 +136,7 @@ LOADER = textwrap.dedent(
         io = torch.load(folder + "/io.pt")
         with torch.no_grad():
             out = model(input_ids=io["input_ids"], attention_mask=io["attention_mask"])[0]
-        results[class_name] = bool(torch.equal(out, io["reference"]))
+        results[class_name] = float((out - io["reference"]).abs().max())
     # Without trust_remote_code: HF's own refusal.
     try:
         transformers.AutoModel.from_pretrained(cases[0][2], trust_remote_code=False)
@@ -170,4 +170,8 @@ def test_fresh_process_without_package_loads_every_head_with_trust_remote_code(s
     refused = results.pop("refused")
     assert refused != "loaded"
     assert "trust_remote_code" in refused
-    assert results == {class_name: True for class_name, _, _ in saved}
+    # Same weights, same code: equal up to gemm rounding (MKL's kernel for the [1, hidden] MultipleChoice
+    # classifier depends on memory alignment, which differs between processes); bit-identical in-process
+    # reloads are tested in test_modeling.py.
+    assert set(results) == {class_name for class_name, _, _ in saved}
+    assert all(difference <= 1e-6 for difference in results.values()), results
