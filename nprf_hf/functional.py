@@ -351,13 +351,9 @@ class _BandWindowProduct(torch.autograd.Function):
         u_windows = u_rows.unfold(1, window, chunk).transpose(-1, -2)  # [B*H, chunks, window, e]
         out = q.new_empty(q.shape[0], chunk, u_rows.shape[-1])
         buffer = q.new_empty(min(BANDED_GROUP, num_chunks), chunk, window)  # reused: no allocation per group
-        for sequence in range(sequences):
-            coefficient = coefficients[sequence % heads]
-            for first in range(0, num_chunks, BANDED_GROUP):
-                last = min(first + BANDED_GROUP, num_chunks)
-                rows = slice(sequence * num_chunks + first, sequence * num_chunks + last)
-                weights = torch.bmm(q[rows], k_windows[sequence, first:last], out=buffer[: last - first])
-                torch.bmm(weights.mul_(coefficient), u_windows[sequence, first:last], out=out[rows])
+        for sequence, first, last, rows in _chunk_groups(sequences, num_chunks):
+            weights = torch.bmm(q[rows], k_windows[sequence, first:last], out=buffer[: last - first])
+            torch.bmm(weights.mul_(coefficients[sequence % heads]), u_windows[sequence, first:last], out=out[rows])
         ctx.save_for_backward(q, k_rows, u_rows, coefficients)
         return out
 
@@ -378,25 +374,30 @@ class _BandWindowProduct(torch.autograd.Function):
         buffers = [q.new_empty(group, chunk, window) for _ in range(3)]
         grad_u_windows = q.new_empty(group, window, u_rows.shape[-1])
         grad_k_windows = q.new_empty(group, window, q.shape[-1])
-        for sequence in range(sequences):
-            coefficient = coefficients[sequence % heads]
-            for first in range(0, num_chunks, BANDED_GROUP):
-                last = min(first + BANDED_GROUP, num_chunks)
-                count, rows = last - first, slice(sequence * num_chunks + first, sequence * num_chunks + last)
-                q_group, grad_group = q[rows], grad_out[rows]
-                k_group, u_group = k_windows[sequence, first:last], u_windows[sequence, first:last]
-                scores = torch.bmm(q_group, k_group, out=buffers[0][:count])
-                grad_weights = torch.bmm(grad_group, u_group, out=buffers[1][:count])
-                if grad_coefficients is not None:
-                    grad_coefficients[sequence % heads] += torch.mul(scores, grad_weights, out=buffers[2][:count]).sum(0)
-                weights = scores.mul_(coefficient)
-                torch.bmm(weights.transpose(-1, -2), grad_group, out=grad_u_windows[:count])
-                _fold_windows(grad_u_windows[:count], grad_u[sequence], first, chunk)
-                grad_scores = grad_weights.mul_(coefficient)
-                torch.bmm(grad_scores, k_group.transpose(-1, -2), out=grad_q[rows])
-                torch.bmm(grad_scores.transpose(-1, -2), q_group, out=grad_k_windows[:count])
-                _fold_windows(grad_k_windows[:count], grad_k[sequence], first, chunk)
+        for sequence, first, last, rows in _chunk_groups(sequences, num_chunks):
+            coefficient, count = coefficients[sequence % heads], last - first
+            q_group, grad_group = q[rows], grad_out[rows]
+            k_group, u_group = k_windows[sequence, first:last], u_windows[sequence, first:last]
+            scores = torch.bmm(q_group, k_group, out=buffers[0][:count])
+            grad_weights = torch.bmm(grad_group, u_group, out=buffers[1][:count])
+            if grad_coefficients is not None:
+                grad_coefficients[sequence % heads] += torch.mul(scores, grad_weights, out=buffers[2][:count]).sum(0)
+            weights = scores.mul_(coefficient)
+            torch.bmm(weights.transpose(-1, -2), grad_group, out=grad_u_windows[:count])
+            _fold_windows(grad_u_windows[:count], grad_u[sequence], first, chunk)
+            grad_scores = grad_weights.mul_(coefficient)
+            torch.bmm(grad_scores, k_group.transpose(-1, -2), out=grad_q[rows])
+            torch.bmm(grad_scores.transpose(-1, -2), q_group, out=grad_k_windows[:count])
+            _fold_windows(grad_k_windows[:count], grad_k[sequence], first, chunk)
         return grad_q, grad_k, grad_u, grad_coefficients
+
+
+def _chunk_groups(sequences, num_chunks):
+    """(sequence, first, last, rows): groups of BANDED_GROUP chunks, rows their slice of [B*H*chunks, ...]."""
+    for sequence in range(sequences):
+        for first in range(0, num_chunks, BANDED_GROUP):
+            last = min(first + BANDED_GROUP, num_chunks)
+            yield sequence, first, last, slice(sequence * num_chunks + first, sequence * num_chunks + last)
 
 
 def _fold_windows(window_grads, rows, first, chunk):
