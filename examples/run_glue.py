@@ -108,6 +108,25 @@ class ModelArguments:
         default=None,
         metadata={"help": 'JSON of arguments for nprf_hf.convert_to_nprf, e.g. \'{"num_random_features": 128}\'.'},
     )
+    rpe_learning_rate: Optional[float] = field(
+        default=None,
+        metadata={"help": "NPRF models: a learning rate of its own for the relative-position table (rpe_table)."},
+    )
+
+
+class RPETrainer(Trainer):
+    """The Trainer, plus an optimizer group of its own for the RPE table when `rpe_learning_rate` is set."""
+
+    def __init__(self, *args, rpe_learning_rate: Optional[float] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rpe_learning_rate = rpe_learning_rate
+
+    def create_optimizer(self, model=None):
+        fresh = self.optimizer is None
+        optimizer = super().create_optimizer(model)
+        if fresh and self.rpe_learning_rate is not None:
+            glue.set_rpe_learning_rate(optimizer, self.model if model is None else model, self.rpe_learning_rate)
+        return optimizer
 
 
 def parse_args(argv=None):
@@ -237,8 +256,9 @@ def main(argv=None):
     if push_nprf:
         training_args.push_to_hub = False
 
-    trainer = Trainer(
+    trainer = RPETrainer(
         model=model,
+        rpe_learning_rate=model_args.rpe_learning_rate,
         args=training_args,
         train_dataset=datasets["train"] if training_args.do_train else None,
         eval_dataset=datasets[info.eval_splits[0]] if training_args.do_eval else None,

@@ -71,6 +71,8 @@ def parse_args(argv=None):
     model.add_argument("--ignore_mismatched_sizes", action="store_true", help="Re-init a head of another size.")
     model.add_argument("--convert_to_nprf", action="store_true", help="Convert the model to NPRF attention first.")
     model.add_argument("--nprf_config", type=str, default=None, help="JSON of arguments for convert_to_nprf.")
+    model.add_argument("--rpe_learning_rate", type=float, default=None,
+                       help="NPRF models: a learning rate of its own for the relative-position table (rpe_table).")
 
     train = parser.add_argument_group("training")
     train.add_argument("--output_dir", type=str, default=None, help="Where the model, checkpoints and metrics go.")
@@ -272,6 +274,8 @@ def main(argv=None):
         },
     ]
     optimizer = torch.optim.AdamW(grouped_parameters, lr=args.learning_rate)
+    if args.rpe_learning_rate is not None:
+        glue.set_rpe_learning_rate(optimizer, model, args.rpe_learning_rate)
 
     # Optimizer steps per epoch (the last partial accumulation of an epoch also steps), as the
     # prepared dataloader will count them: each process sees ceil(N / (batch * processes)) batches.

@@ -36,6 +36,8 @@ BANDED_GROUP = 32
 # fft only beats dense from about 8192 tokens (dense at 2048: 0.46 s vs fft 1.95 s forward, one
 # thread), where dense's n x n weights also stop fitting in memory.
 AUTO_DENSE_FACTOR = 1.0
+# Guard of the L2 normalization (as F.normalize): zero rows stay zero.
+NORM_EPS = 1e-12
 AUTO_FFT_MIN_LENGTH = 8192
 
 
@@ -139,23 +141,40 @@ def positive_random_features(x, projection):
         [..., m]. The exponent is computed in float32 for half-precision inputs and the result is
         float32 then (the features can exceed the float16 range).
     """
-    if projection.shape[-1] != x.shape[-1]:
-        raise ValueError(f"projection is {tuple(projection.shape)} but x has size {x.shape[-1]} in its last dim")
     dtype = _compute_dtype(x.dtype)
     x = x.to(dtype)
-    projection = projection.to(device=x.device, dtype=dtype)
-    if projection.dim() == 3:
-        if x.dim() < 3 or x.shape[-3] != projection.shape[0]:
-            raise ValueError(f"per-head projection {tuple(projection.shape)} needs x [..., H, n, d], got {tuple(x.shape)}")
-        wx = x @ projection.transpose(-1, -2)
-    elif projection.dim() == 2:
-        wx = x @ projection.t()
-    else:
-        raise ValueError(f"projection must be [m, d] or [H, m, d], got {tuple(projection.shape)}")
+    wx = _project(x, projection)
     # exp(Wx - |x|^2/2 - log(m)/2): one exponent, updated in place (the matmul's backward does not need
     # its output, and exp_'s backward uses its result), so the [..., m] tensor is written only twice.
     shift = 0.5 * torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() + 0.5 * math.log(projection.shape[-2])
     return wx.sub_(shift).exp_()
+
+
+def _normalized_features(x, projection):
+    """phi(x / |x|) for x [B, H, n, d] (zero rows stay zero, as in F.normalize), without materializing
+    x / |x|: W (x / |x|) = (W x) / |x|, so the normalization is one in-place scaling of the exponent."""
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    inverse = 1.0 / norm.clamp_min(NORM_EPS)
+    shift = 0.5 * (norm * inverse).square() + 0.5 * math.log(projection.shape[-2])
+    return _project(x, projection).mul_(inverse).sub_(shift).exp_()
+
+
+def _project(x, projection):
+    """W x: x [..., d] (with a per-head projection [B, H, n, d]), projection [m, d] or [H, m, d] -> [..., m]."""
+    if projection.shape[-1] != x.shape[-1]:
+        raise ValueError(f"projection is {tuple(projection.shape)} but x has size {x.shape[-1]} in its last dim")
+    projection = projection.to(device=x.device, dtype=x.dtype)
+    if projection.dim() == 3:
+        if x.dim() < 3 or x.shape[-3] != projection.shape[0]:
+            raise ValueError(f"per-head projection {tuple(projection.shape)} needs x [..., H, n, d], got {tuple(x.shape)}")
+        return x @ projection.transpose(-1, -2)
+    if projection.dim() != 2:
+        raise ValueError(f"projection must be [m, d] or [H, m, d], got {tuple(projection.shape)}")
+    if x.dim() == 4 and not x.is_contiguous() and x.transpose(1, 2).is_contiguous():
+        # The models pass heads as a transposed view of [B, n, H, d]: one gemm over that memory (a
+        # [B, H, n, m] view of a [B, n, H, m] result) instead of a copy and a strided batched gemm.
+        return (x.transpose(1, 2) @ projection.t()).transpose(1, 2)
+    return x @ projection.t()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,17 +216,16 @@ def nprf_attention(
 
     phi_q, phi_k = _features(query, key, projection, mask, dtype)
     value = value.to(dtype)
-    u = torch.cat([value, torch.ones_like(value[..., :1])], dim=-1)  # [B, H, n, d_v + 1]: numerator | denominator
     bias = _masked_bias(rpe_bias.to(dtype), n, causal)
     c = torch.exp(bias - bias.amax(dim=-1, keepdim=True).detach())  # ratios are shift-invariant; c <= 1
 
-    algorithm, band_width = _resolve_algorithm(algorithm, bias, n, band_width, phi_q.shape[-1], u.shape[-1])
+    algorithm, band_width = _resolve_algorithm(algorithm, bias, n, band_width, phi_q.shape[-1], value.shape[-1] + 1)
     if algorithm == "dense":
-        out = _dense_toeplitz_attention(phi_q, phi_k, u, c)
+        out = _dense_toeplitz_attention(phi_q, phi_k, _values_and_ones(value), c)
     elif algorithm == "fft":
-        out = _fft_toeplitz_attention(phi_q, phi_k, u, c)
+        out = _fft_toeplitz_attention(phi_q, phi_k, _values_and_ones(value), c)
     else:
-        out = _banded_toeplitz_attention(phi_q, phi_k, u, c, band_width, causal)
+        out = _banded_toeplitz_attention(phi_q, phi_k, value, c, band_width, causal)
 
     numerator, denominator = out[..., :-1], out[..., -1:]
     valid = denominator != 0  # exact sums are >= 0; NaN stays NaN, so a diverging run is not hidden
@@ -215,7 +233,11 @@ def nprf_attention(
         kept = mask > 0
         has_key = kept.cumsum(-1) > 0 if causal else kept.any(-1, keepdim=True)
         valid = valid & has_key[:, None, :, None]
-    out = numerator / torch.where(valid, denominator, torch.ones_like(denominator))
+    denominator = torch.where(valid, denominator, torch.ones_like(denominator))
+    if torch.is_grad_enabled() and out.requires_grad:
+        out = numerator / denominator
+    else:  # inference: divide in place, no new [B, H, n, d_v] tensor
+        out = numerator.div_(denominator)
     return out.masked_fill_(~valid, 0.0).to(query.dtype)  # in place: the division's backward needs only its inputs
 
 
@@ -294,7 +316,7 @@ def _fft_toeplitz_inference(phi_q, phi_k, u, kernel_f, length):
     return out.transpose(-1, -2)
 
 
-def _banded_toeplitz_attention(phi_q, phi_k, u, c, band_width, causal):
+def _banded_toeplitz_attention(phi_q, phi_k, value, c, band_width, causal):
     """C = c_far^- [j < i] + c_far^+ [j > i] + a band of width W, all matmuls.
 
     The sequence is cut into chunks of size s with R s >= W - 1 (R chunks of reach). Queries of
@@ -305,18 +327,18 @@ def _banded_toeplitz_attention(phi_q, phi_k, u, c, band_width, causal):
     the chunks after k and the suffix sums.
     """
     batch, heads, n, m = phi_q.shape
-    e = u.shape[-1]
+    e = value.shape[-1] + 1
     reach, chunk = _banded_chunking(band_width)
     num_chunks = -(-n // chunk)
     if num_chunks <= 2 * reach + 1:  # the window covers the whole sequence: this is the dense product
-        return _dense_toeplitz_attention(phi_q, phi_k, u, c)
+        return _dense_toeplitz_attention(phi_q, phi_k, _values_and_ones(value), c)
     padded = num_chunks * chunk
     window = (2 * reach + 1 if not causal else reach + 1) * chunk
     # Keys get R zero chunks in front (and behind, unless causal): chunk k's window then starts at
     # row k s of its head's keys, so unfolding the rows with step s yields exactly one window per chunk.
     pads = (0, 0, reach * chunk, padded - n + (0 if causal else reach * chunk))
     k_rows = F.pad(phi_k, pads).view(batch * heads, -1, m)
-    u_rows = F.pad(u, pads).view(batch * heads, -1, e)
+    u_rows = _values_and_ones(value, pads[2], pads[3]).view(batch * heads, -1, e)
     q_chunks = (F.pad(phi_q, (0, 0, 0, padded - n)) if padded > n else phi_q).reshape(-1, chunk, m)
 
     # Near part. Query a and window key w are at distance r = w - R s - a; one [H, s, window]
@@ -476,8 +498,8 @@ def _compute_dtype(dtype):
 
 def _features(query, key, projection, mask, dtype):
     """phi(q_hat), phi(k_hat) [B, H, n, m] in `dtype`, padded keys zeroed (after the map: phi(0) != 0)."""
-    phi_q = positive_random_features(F.normalize(query.to(dtype), dim=-1), projection)
-    phi_k = positive_random_features(F.normalize(key.to(dtype), dim=-1), projection)
+    phi_q = _normalized_features(query.to(dtype), projection)
+    phi_k = _normalized_features(key.to(dtype), projection)
     if mask is not None:
         phi_k = phi_k * mask[:, None, :, None]
     return phi_q, phi_k
@@ -489,6 +511,16 @@ def _masked_bias(bias, n, causal):
         return bias
     future = torch.arange(2 * n - 1, device=bias.device) > n - 1
     return bias.masked_fill(future, float("-inf"))
+
+
+def _values_and_ones(value, before=0, after=0):
+    """[B, H, before + n + after, d_v + 1]: the numerator's values and the denominator's ones column for
+    the n rows of `value` [B, H, n, d_v], with zero rows before and after, written in one pass."""
+    batch, heads, n, d = value.shape
+    u = value.new_zeros(batch, heads, before + n + after, d + 1)
+    u[:, :, before : before + n, :d] = value
+    u[:, :, before : before + n, d] = 1.0
+    return u
 
 
 def _toeplitz(c, n):

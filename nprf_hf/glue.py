@@ -7,6 +7,7 @@ Three data sources give the same columns (those of the Hub dataset `nyu-mll/glue
   - local CSV / TSV / JSON files: `load_glue_raw(train_file=..., validation_file=...)`
 
 Metrics are computed offline with scikit-learn / scipy (`compute_glue_metrics`).
+`set_rpe_learning_rate` gives an NPRF model's RPE table its own learning rate (both scripts).
 No model code here; `datasets`, `sklearn` and `scipy` are imported inside the functions that
 need them so that `import nprf_hf` stays light.
 """
@@ -552,3 +553,21 @@ def make_compute_metrics(task_name: Optional[str], is_regression: bool):
         return compute_glue_metrics(outputs, eval_prediction.label_ids, task_name, is_regression)
 
     return compute_metrics
+
+
+def set_rpe_learning_rate(optimizer, model, learning_rate: float):
+    """Move the relative-position tables of an NPRF `model` (parameters named `*rpe_table`) into a
+    param group of their own in `optimizer`, with `learning_rate` and no weight decay.
+
+    A converted model starts with a zero RPE table; at the learning rate that suits the pretrained
+    weights it hardly moves during fine-tuning. Learning-rate schedulers created afterwards scale
+    this group like the others. Returns the moved parameters.
+    """
+    rpe = [p for n, p in model.named_parameters() if n.endswith("rpe_table") and p.requires_grad]
+    if not rpe:
+        raise ValueError("a separate RPE learning rate needs an NPRF model: this one has no rpe_table parameters")
+    moved = {id(p) for p in rpe}
+    for group in optimizer.param_groups:
+        group["params"] = [p for p in group["params"] if id(p) not in moved]
+    optimizer.add_param_group({"params": rpe, "lr": learning_rate, "weight_decay": 0.0})
+    return rpe

@@ -207,6 +207,29 @@ def test_run_glue_convert_to_nprf(tiny_model, tmp_path):
                        "--glue_dir", DATA, "--do_eval", "--output_dir", str(tmp_path / "x")])
 
 
+@needs_data
+@pytest.mark.parametrize("script", ["trainer", "no_trainer"])
+def test_rpe_learning_rate(tiny_model, tmp_path, script):
+    """--rpe_learning_rate trains the (zero-initialised) RPE table at its own rate in both scripts."""
+    largest = {}
+    for name, extra in [("shared", []), ("own", ["--rpe_learning_rate", "0.05"])]:
+        out = tmp_path / name
+        common = ["--model_name_or_path", tiny_model, "--convert_to_nprf", "--task_name", "sst2", "--glue_dir", DATA,
+                  "--max_train_samples", "16", "--max_eval_samples", "8", "--per_device_train_batch_size", "8",
+                  "--learning_rate", "1e-6", "--output_dir", str(out)] + extra
+        if script == "trainer":
+            run_glue.main(common + ["--do_train", "--save_strategy", "no", "--report_to", "none"])
+        else:
+            run_glue_no_trainer.main(common + ["--num_train_epochs", "1", "--report_to", "none"])
+        largest[name] = load_file(str(out / "model.safetensors"))["bert.encoder.rpe_table"].abs().max().item()
+    assert largest["shared"] < 1e-5 < 0.01 < largest["own"]
+    if script == "trainer":
+        with pytest.raises(ValueError, match="no rpe_table"):
+            run_glue.main(["--model_name_or_path", tiny_model, "--task_name", "sst2", "--glue_dir", DATA, "--do_train",
+                           "--max_train_samples", "8", "--rpe_learning_rate", "0.1", "--report_to", "none",
+                           "--output_dir", str(tmp_path / "softmax")])
+
+
 class FakeHubApi:
     """Records what would go to the Hub."""
 

@@ -172,6 +172,28 @@ def test_algorithms_match_reference_float64(algorithm, causal, n, small_chunks):
 
 @pytest.mark.parametrize("algorithm", EXACT)
 @pytest.mark.parametrize("causal", [False, True])
+def test_model_layout_views_match_reference_with_gradients(algorithm, causal, small_chunks):
+    """The models pass q, k, v as [B, H, n, d] views of [B, n, H, d] and one [m, d] projection; the
+    feature map then runs one gemm over that memory. Values and gradients as for the reference."""
+    batch, heads, n, d, m = 2, 3, 41, 8, 6
+    q, k, v = (torch.randn(batch, n, heads, d, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    projection = Fn.draw_projection(m, d, "orf", dtype=torch.float64)
+    bias = t5_bias(heads, n, num_buckets=16, max_distance=40, bidirectional=not causal)
+    mask = random_padding(batch, n)
+    views = [t.transpose(1, 2) for t in (q, k, v)]
+    assert not views[0].is_contiguous()
+    out = Fn.nprf_attention(*views, bias, projection, mask, algorithm=algorithm, causal=causal)
+    ref = reference_attention(*views, bias, projection, mask, causal)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-11)
+    weights = torch.randn_like(ref)
+    grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
+    expected = torch.autograd.grad((ref * weights).sum(), (q, k, v))
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("algorithm", EXACT)
+@pytest.mark.parametrize("causal", [False, True])
 def test_arbitrary_per_distance_bias_has_no_band(algorithm, causal, small_chunks):
     """A bias learned per distance varies everywhere: banded must notice and stay exact."""
     batch, heads, n, d, m = 2, 3, 150, 8, 5
