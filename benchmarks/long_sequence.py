@@ -34,8 +34,10 @@ the first step in the fresh process (later steps reuse memory that glibc keeps a
 with the model, its weights and the inputs already in the baseline; a training step's peak
 includes the gradients it allocates.
 
-Times: the first step is a warm-up; the reported time is the fastest of ``--repeats`` further
-steps (the warm-up alone when it took longer than ``--single-run-above`` seconds).
+Times: the first step is a warm-up and is never the reported time (a cold step pays one-off
+costs, and a cold long step next to a warm short one skews a ratio); the reported time is the
+fastest of ``--repeats`` further steps, or of a single one when the warm-up took longer than
+``--single-run-above`` seconds.
 
 Example (the full sweep; see the README for its run time):
 
@@ -202,11 +204,10 @@ def measure_point(variant, mode, n, args, max_length):
         step()
         warmup = time.perf_counter() - start
     times = []
-    if warmup <= args.single_run_above:
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - start)
+    for _ in range(args.repeats if warmup <= args.single_run_above else min(args.repeats, 1)):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
     return {
         "status": "ok",
         "time_s": min(times) if times else warmup,
@@ -428,9 +429,9 @@ def parse_args(argv=None):
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS,
                         help="floor = the same RoBERTa with attention replaced by the identity")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    parser.add_argument("--repeats", type=int, default=2, help="timed steps after the warm-up; the fastest is reported")
+    parser.add_argument("--repeats", type=int, default=2, help="timed steps after the warm-up; the fastest is reported (0: the warm-up is)")
     parser.add_argument("--single-run-above", type=float, default=20.0,
-                        help="seconds: a warm-up step longer than this is the reported time (no repeats)")
+                        help="seconds: after a warm-up step longer than this, time one step only (not --repeats)")
     parser.add_argument("--time-cap", type=float, default=900.0, help="seconds per point (warm-up + repeats)")
     parser.add_argument("--mem-budget-gb", type=float, default=None,
                         help="eager points predicted to need more are skipped (default: 80%% of available RAM)")

@@ -5,7 +5,8 @@
 Shaped like transformers' `examples/pytorch/text-classification/run_glue.py`, updated for
 transformers 5, with the data and metric code in `nprf_hf.glue` (shared with
 `run_glue_no_trainer.py`). Softmax baselines and NPRF models use the same script;
-`--convert_to_nprf` converts a softmax checkpoint on the fly.
+`--convert_to_nprf` converts a softmax checkpoint on the fly (`--nprf_config` passes convert options,
+e.g. a calibrated RPE init), and `--rpe_learning_rate` gives an NPRF model's RPE table its own rate.
 
 Data: `--task_name` (one of the nine GLUE tasks) from the Hub (`nyu-mll/glue`), or from the original
 `glue_data` TSV release with `--glue_dir`, or custom `--train_file/--validation_file` (csv/tsv/json).

@@ -36,9 +36,9 @@ BANDED_GROUP = 32
 # fft only beats dense from about 8192 tokens (dense at 2048: 0.46 s vs fft 1.95 s forward, one
 # thread), where dense's n x n weights also stop fitting in memory.
 AUTO_DENSE_FACTOR = 1.0
+AUTO_FFT_MIN_LENGTH = 8192
 # Guard of the L2 normalization (as F.normalize): zero rows stay zero.
 NORM_EPS = 1e-12
-AUTO_FFT_MIN_LENGTH = 8192
 
 
 # ---------------------------------------------------------------------------------------------
@@ -170,10 +170,6 @@ def _project(x, projection):
         return x @ projection.transpose(-1, -2)
     if projection.dim() != 2:
         raise ValueError(f"projection must be [m, d] or [H, m, d], got {tuple(projection.shape)}")
-    if x.dim() == 4 and not x.is_contiguous() and x.transpose(1, 2).is_contiguous():
-        # The models pass heads as a transposed view of [B, n, H, d]: one gemm over that memory (a
-        # [B, H, n, m] view of a [B, n, H, m] result) instead of a copy and a strided batched gemm.
-        return (x.transpose(1, 2) @ projection.t()).transpose(1, 2)
     return x @ projection.t()
 
 

@@ -72,6 +72,15 @@ def test_long_sequence_isolated_point_and_time_cap(long_sequence):
     assert long_sequence.run_point("sdpa", "forward", 32, args, 32)["status"] == "time cap"
 
 
+def test_long_sequence_never_reports_the_warm_up_step(long_sequence):
+    args = long_sequence.parse_args(TINY + ["--repeats", "3"])
+    result = long_sequence.measure_point("nprf", "forward", 32, args, 32)
+    assert len(result["times_s"]) == 3 and result["time_s"] == min(result["times_s"])
+    args.single_run_above = 0.0  # every warm-up counts as long: one timed step, still not the warm-up
+    result = long_sequence.measure_point("nprf", "forward", 32, args, 32)
+    assert len(result["times_s"]) == 1 and result["time_s"] == result["times_s"][0] != result["warmup_s"]
+
+
 def test_long_sequence_skips_instead_of_running_out_of_memory(long_sequence):
     args = long_sequence.parse_args(TINY + ["--mem-budget-gb", "0.001"])
     assert "predicted out of memory" in long_sequence.skip_reason("eager", "forward", 4096, args, [])

@@ -172,12 +172,13 @@ def test_algorithms_match_reference_float64(algorithm, causal, n, small_chunks):
 
 @pytest.mark.parametrize("algorithm", EXACT)
 @pytest.mark.parametrize("causal", [False, True])
-def test_model_layout_views_match_reference_with_gradients(algorithm, causal, small_chunks):
-    """The models pass q, k, v as [B, H, n, d] views of [B, n, H, d] and one [m, d] projection; the
-    feature map then runs one gemm over that memory. Values and gradients as for the reference."""
+@pytest.mark.parametrize("per_head", [True, False])
+def test_model_layout_views_match_reference_with_gradients(algorithm, causal, per_head, small_chunks):
+    """The models pass q, k, v as [B, H, n, d] views of [B, n, H, d]; the normalization is folded into
+    the feature exponent in place. Values and gradients as for the reference."""
     batch, heads, n, d, m = 2, 3, 41, 8, 6
     q, k, v = (torch.randn(batch, n, heads, d, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    projection = Fn.draw_projection(m, d, "orf", dtype=torch.float64)
+    projection = Fn.draw_projection(m, d, "orf", num_heads=heads if per_head else None, dtype=torch.float64)
     bias = t5_bias(heads, n, num_buckets=16, max_distance=40, bidirectional=not causal)
     mask = random_padding(batch, n)
     views = [t.transpose(1, 2) for t in (q, k, v)]
