@@ -143,11 +143,8 @@ def positive_random_features(x, projection):
     """
     dtype = _compute_dtype(x.dtype)
     x = x.to(dtype)
-    wx = _project(x, projection)
-    # exp(Wx - |x|^2/2 - log(m)/2): one exponent, updated in place (the matmul's backward does not need
-    # its output, and exp_'s backward uses its result), so the [..., m] tensor is written only twice.
-    shift = 0.5 * torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() + 0.5 * math.log(projection.shape[-2])
-    return wx.sub_(shift).exp_()
+    squared_norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square()
+    return _feature_exponent(_project(x, projection), squared_norm, projection.shape[-2])
 
 
 def _normalized_features(x, projection):
@@ -155,8 +152,13 @@ def _normalized_features(x, projection):
     x / |x|: W (x / |x|) = (W x) / |x|, so the normalization is one in-place scaling of the exponent."""
     norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
     inverse = 1.0 / norm.clamp_min(NORM_EPS)
-    shift = 0.5 * (norm * inverse).square() + 0.5 * math.log(projection.shape[-2])
-    return _project(x, projection).mul_(inverse).sub_(shift).exp_()
+    return _feature_exponent(_project(x, projection).mul_(inverse), (norm * inverse).square(), projection.shape[-2])
+
+
+def _feature_exponent(wx, squared_norm, num_features):
+    """exp(Wx - |x|^2/2 - log(m)/2) = phi(x), in place on wx [..., m] (the matmul's backward does not need
+    its output, and exp_'s backward uses its result), so the [..., m] tensor is written only twice."""
+    return wx.sub_(0.5 * squared_norm + 0.5 * math.log(num_features)).exp_()
 
 
 def _project(x, projection):
@@ -511,9 +513,11 @@ def _masked_bias(bias, n, causal):
 
 def _values_and_ones(value, before=0, after=0):
     """[B, H, before + n + after, d_v + 1]: the numerator's values and the denominator's ones column for
-    the n rows of `value` [B, H, n, d_v], with zero rows before and after, written in one pass."""
+    the n rows of `value` [B, H, n, d_v], with zero rows before and after; every element written once."""
     batch, heads, n, d = value.shape
-    u = value.new_zeros(batch, heads, before + n + after, d + 1)
+    u = value.new_empty(batch, heads, before + n + after, d + 1)
+    u[:, :, :before] = 0.0
+    u[:, :, before + n :] = 0.0
     u[:, :, before : before + n, :d] = value
     u[:, :, before : before + n, d] = 1.0
     return u
