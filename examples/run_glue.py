@@ -23,7 +23,6 @@ Runs under `accelerate launch` / `torchrun` too. Writes `eval_results.json` (and
 into `--output_dir`.
 """
 
-import json
 import logging
 import os
 import sys
@@ -49,6 +48,7 @@ except ImportError:  # running from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from nprf_hf import glue
 from nprf_hf.modelcard import push_nprf_to_hub
+from nprf_hf.transfer import TRANSFER_DEFAULTS
 
 
 logger = logging.getLogger(__name__)
@@ -113,6 +113,23 @@ class ModelArguments:
         default=None,
         metadata={"help": "NPRF models: a learning rate of its own for the relative-position table (rpe_table)."},
     )
+    attention_transfer_steps: int = field(
+        default=0,
+        metadata={
+            "help": "With --convert_to_nprf: first train the NPRF attention for N steps to reproduce the source's "
+            "softmax attention layer by layer (nprf_hf.attention_transfer); 0 = no transfer."
+        },
+    )
+    attention_transfer_text: Optional[str] = field(
+        default=None,
+        metadata={"help": "Texts for the transfer: a plain text file or a GLUE task folder (default: the task's training texts)."},
+    )
+    attention_transfer_learning_rate: float = field(
+        default=TRANSFER_DEFAULTS["learning_rate"], metadata={"help": "Adam rate of the transfer's projections."}
+    )
+    attention_transfer_batch_size: int = field(
+        default=TRANSFER_DEFAULTS["batch_size"], metadata={"help": "Texts per transfer step."}
+    )
 
 
 class RPETrainer(Trainer):
@@ -158,16 +175,12 @@ def load_model_and_tokenizer(model_args, num_labels, task_name):
         ignore_mismatched_sizes=model_args.ignore_mismatched_sizes,
         **hub_kwargs,
     )
-    if model_args.convert_to_nprf:
-        import nprf_hf
-
-        overrides = json.loads(model_args.nprf_config) if model_args.nprf_config else {}
-        if not isinstance(overrides, dict):
-            raise ValueError(f"--nprf_config must be a JSON object, got {model_args.nprf_config!r}")
-        model = nprf_hf.convert_to_nprf(model, tokenizer=tokenizer, **overrides)
-        logger.info("Converted to %s", type(model).__name__)
-    elif model_args.nprf_config:
-        raise ValueError("--nprf_config is only used with --convert_to_nprf")
+    glue.check_conversion_flags(
+        model_args.convert_to_nprf,
+        nprf_config=model_args.nprf_config,
+        attention_transfer_steps=model_args.attention_transfer_steps,
+        attention_transfer_text=model_args.attention_transfer_text,
+    )
     return model, tokenizer
 
 
@@ -228,6 +241,27 @@ def main(argv=None):
     max_samples.update({s: data_args.max_eval_samples for s in info.eval_splits})
     max_samples.update({s: data_args.max_predict_samples for s in info.test_splits})
     raw_datasets = type(raw_datasets)({s: glue.take_first(raw_datasets[s], max_samples[s]) for s in needed})
+
+    if model_args.convert_to_nprf:  # after the cut: the transfer reads the rows the run trains on
+        model, transfer_report = glue.convert_and_transfer(
+            model,
+            tokenizer,
+            nprf_config=model_args.nprf_config,
+            transfer_steps=model_args.attention_transfer_steps,
+            transfer_text=model_args.attention_transfer_text,
+            train_texts=glue.training_texts(raw_datasets["train"], info) if "train" in raw_datasets else None,
+            transfer_options={
+                "batch_size": model_args.attention_transfer_batch_size,
+                "learning_rate": model_args.attention_transfer_learning_rate,
+                "max_length": data_args.max_seq_length,
+                "seed": training_args.seed,
+            },
+            show_progress=training_args.process_index == 0 and not training_args.disable_tqdm,
+        )
+        logger.info("Converted to %s", type(model).__name__)
+        if transfer_report is not None and training_args.process_index == 0:
+            logger.warning(transfer_report.format())
+            glue.save_transfer_report(transfer_report, training_args.output_dir)
 
     with training_args.main_process_first(desc="dataset map pre-processing"):
         datasets = glue.tokenize_glue(

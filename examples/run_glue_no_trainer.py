@@ -45,6 +45,7 @@ except ImportError:  # running from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from nprf_hf import glue
 from nprf_hf.modelcard import push_nprf_to_hub
+from nprf_hf.transfer import TRANSFER_DEFAULTS
 
 
 logger = get_logger(__name__)
@@ -73,6 +74,16 @@ def parse_args(argv=None):
     model.add_argument("--nprf_config", type=str, default=None, help="JSON of arguments for convert_to_nprf.")
     model.add_argument("--rpe_learning_rate", type=float, default=None,
                        help="NPRF models: a learning rate of its own for the relative-position table (rpe_table).")
+    model.add_argument("--attention_transfer_steps", type=int, default=0,
+                       help="With --convert_to_nprf: first train the NPRF attention for N steps to reproduce the "
+                       "source's softmax attention layer by layer (nprf_hf.attention_transfer); 0 = no transfer.")
+    model.add_argument("--attention_transfer_text", type=str, default=None,
+                       help="Texts for the transfer: a plain text file or a GLUE task folder "
+                       "(default: the task's training texts).")
+    model.add_argument("--attention_transfer_learning_rate", type=float, default=TRANSFER_DEFAULTS["learning_rate"],
+                       help="Adam rate of the transfer's projections.")
+    model.add_argument("--attention_transfer_batch_size", type=int, default=TRANSFER_DEFAULTS["batch_size"],
+                       help="Texts per transfer step.")
 
     train = parser.add_argument_group("training")
     train.add_argument("--output_dir", type=str, default=None, help="Where the model, checkpoints and metrics go.")
@@ -220,16 +231,12 @@ def main(argv=None):
         ignore_mismatched_sizes=args.ignore_mismatched_sizes,
         trust_remote_code=args.trust_remote_code,
     )
-    if args.convert_to_nprf:
-        import nprf_hf
-
-        overrides = json.loads(args.nprf_config) if args.nprf_config else {}
-        if not isinstance(overrides, dict):
-            raise ValueError(f"--nprf_config must be a JSON object, got {args.nprf_config!r}")
-        model = nprf_hf.convert_to_nprf(model, tokenizer=tokenizer, **overrides)
-        logger.info(f"Converted to {type(model).__name__}")
-    elif args.nprf_config:
-        raise ValueError("--nprf_config is only used with --convert_to_nprf")
+    glue.check_conversion_flags(
+        args.convert_to_nprf,
+        nprf_config=args.nprf_config,
+        attention_transfer_steps=args.attention_transfer_steps,
+        attention_transfer_text=args.attention_transfer_text,
+    )
 
     label_to_id, label2id = glue.resolve_label_ids(info, getattr(model.config, "label2id", None))
     if label2id is not None:
@@ -238,6 +245,27 @@ def main(argv=None):
 
     max_samples = {"train": args.max_train_samples, **{s: args.max_eval_samples for s in info.eval_splits}}
     raw_datasets = type(raw_datasets)({s: glue.take_first(raw_datasets[s], n) for s, n in max_samples.items()})
+    if args.convert_to_nprf:  # after the cut: the transfer reads the rows the run trains on
+        model, transfer_report = glue.convert_and_transfer(
+            model,
+            tokenizer,
+            nprf_config=args.nprf_config,
+            transfer_steps=args.attention_transfer_steps,
+            transfer_text=args.attention_transfer_text,
+            train_texts=glue.training_texts(raw_datasets["train"], info),
+            transfer_options={
+                "batch_size": args.attention_transfer_batch_size,
+                "learning_rate": args.attention_transfer_learning_rate,
+                "max_length": args.max_seq_length,
+                "seed": args.seed,
+            },
+            show_progress=accelerator.is_local_main_process,
+        )
+        logger.info(f"Converted to {type(model).__name__}")
+        if transfer_report is not None and accelerator.is_main_process:
+            logger.info(transfer_report.format())
+            if args.output_dir is not None:
+                glue.save_transfer_report(transfer_report, args.output_dir)
     with accelerator.main_process_first():
         processed = glue.tokenize_glue(
             raw_datasets,

@@ -15,6 +15,7 @@ from transformers import (
 from . import functional
 from .configuration_nprf import NPRFBertConfig, NPRFRobertaConfig
 from .convert import convert_to_nprf
+from .transfer import TransferReport, attention_transfer, read_transfer_texts
 from .modeling_nprf import (
     NPRFBertForMaskedLM,
     NPRFBertForMultipleChoice,
@@ -54,6 +55,9 @@ AutoModelForCausalLM.register(NPRFRobertaConfig, NPRFRobertaForCausalLM, exist_o
 __all__ = [
     "functional",
     "convert_to_nprf",
+    "attention_transfer",
+    "read_transfer_texts",
+    "TransferReport",
     "NPRFBertConfig",
     "NPRFRobertaConfig",
     "NPRFBertModel",

@@ -24,9 +24,21 @@ def _bool(value):
     raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
 
 
+# attention_transfer keyword -> (type, help) of its `--attention-transfer-*` option
+TRANSFER_OPTIONS = (
+    ("steps", int, "optimisation steps"),
+    ("batch_size", int, "texts per step"),
+    ("max_length", int, "tokens per text (longer ones are truncated)"),
+    ("learning_rate", float, "Adam rate of the query/key projections"),
+    ("table_learning_rate", float, "Adam rate of the RPE table(s) and logit scales"),
+    ("seed", int, "seed of the text order"),
+)
+
+
 def add_convert_parser(subparsers):
     from .configuration_nprf import ATTENTION_ALGORITHMS, FEATURE_MAPS, POSITION_EMBEDDING_TYPES
     from .convert import HEADS, RPE_INITS
+    from .transfer import TRANSFER_DEFAULTS
 
     parser = subparsers.add_parser(
         "convert",
@@ -53,10 +65,34 @@ def add_convert_parser(subparsers):
         help="extend the absolute position table to N rows by tiling the learned rows (RoBERTa: N-2 usable)",
     )
     parser.add_argument("--position-embedding-type", choices=POSITION_EMBEDDING_TYPES)
+    parser.add_argument(
+        "--logit-scale-max",
+        type=float,
+        help="> 1: a learnable per-head scale (starting at 1, bounded by this) of the normalized content logits",
+    )
     parser.add_argument("--rpe-init", choices=RPE_INITS, default="zeros")
     parser.add_argument("--calibration-text", help="plain text file for --rpe-init calibrated")
     parser.add_argument("--calibration-blocks", type=int, default=32, help="number of calibration blocks")
     parser.add_argument("--calibration-block-size", type=int, default=128, help="tokens per calibration block")
+    transfer = parser.add_argument_group(
+        "attention transfer",
+        "after converting, train the NPRF attention (query/key projections, RPE table, logit scales) so that "
+        "every layer reproduces the source's softmax attention output on unlabeled text (nprf_hf.attention_transfer)",
+    )
+    transfer.add_argument(
+        "--attention-transfer-text",
+        metavar="PATH",
+        help="plain text file (one text per line) or GLUE task folder (its train.tsv sentences / pairs); "
+        "omitted = no transfer",
+    )
+    for name, kind, text in TRANSFER_OPTIONS:
+        transfer.add_argument(
+            "--attention-transfer-" + name.replace("_", "-"),
+            type=kind,
+            metavar="N" if kind is int else "RATE",
+            default=TRANSFER_DEFAULTS[name],
+            help=f"{text} (default: %(default)s)",
+        )
     parser.add_argument("--head", choices=list(HEADS), help="target head (default: from config.architectures)")
     parser.add_argument("--revision", help="Hub revision of SRC")
     parser.add_argument("--trust-remote-code", action="store_true")
@@ -75,6 +111,7 @@ CONFIG_OPTIONS = (
     "attention_algorithm",
     "max_position_embeddings",
     "position_embedding_type",
+    "logit_scale_max",
 )
 
 
@@ -87,6 +124,12 @@ def run_convert(args):
         from_pretrained_kwargs["revision"] = args.revision
     if args.trust_remote_code:
         from_pretrained_kwargs["trust_remote_code"] = True
+    transfer_texts = None
+    if args.attention_transfer_text is not None:
+        from .transfer import read_transfer_texts
+
+        transfer_texts = read_transfer_texts(args.attention_transfer_text)
+    transfer_options = {name: getattr(args, "attention_transfer_" + name) for name, _, _ in TRANSFER_OPTIONS}
     report = convert_checkpoint(
         args.src,
         args.out,
@@ -96,6 +139,8 @@ def run_convert(args):
         calibration_blocks=args.calibration_blocks,
         calibration_block_size=args.calibration_block_size,
         from_pretrained_kwargs=from_pretrained_kwargs,
+        transfer_texts=transfer_texts,
+        transfer_options=transfer_options,
         **overrides,
     )
     print(report.format())

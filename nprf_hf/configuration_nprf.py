@@ -22,6 +22,11 @@ Both configs are the HF ones plus the fields below (defaults and why):
 - `position_embedding_type` ("absolute"): "absolute" keeps the learned position table of the
   source checkpoint (inputs up to `max_position_embeddings`); "none" drops it, the model then
   knows positions only through the relative bias and takes inputs of any length.
+- `logit_scale_max` (0.0 = off): with normalized q and k the content logits q.k lie in [-1, 1], so
+  content alone can favour one key over another by at most e^2. A value > 1 gives every layer a
+  learnable per-head scale s in (0, logit_scale_max) of those logits (kernel exp(s q.k)), starting at
+  s = 1. Off by default: the default is the paper's NPRF, and the random-feature estimate's variance
+  grows with s (benchmarks/approximation.py).
 - `output_attentions_max_length` (4096): `output_attentions=True` materializes the implied n x n
   attention matrix per head; beyond this length it raises instead of exhausting memory.
 """
@@ -90,6 +95,15 @@ def validate_nprf_fields(config):
             f"position_embedding_type must be one of {POSITION_EMBEDDING_TYPES} ('none' = relative positions only, "
             f"any length), got {config.position_embedding_type!r}"
         )
+    if (
+        isinstance(config.logit_scale_max, bool)
+        or not isinstance(config.logit_scale_max, (int, float))
+        or not (config.logit_scale_max == 0 or config.logit_scale_max > 1)
+    ):
+        raise ValueError(
+            "logit_scale_max must be 0 (off: the paper's NPRF) or a number > 1 (the bound of the learnable "
+            f"per-head logit scale, which starts at 1), got {config.logit_scale_max!r}"
+        )
     if not _is_int(config.output_attentions_max_length) or config.output_attentions_max_length < 1:
         raise ValueError(
             f"output_attentions_max_length must be a positive integer, got {config.output_attentions_max_length!r}"
@@ -123,6 +137,7 @@ class NPRFBertConfig(BertConfig):
     rpe_shared_across_layers: bool = True
     attention_algorithm: str = "auto"
     position_embedding_type: str = "absolute"
+    logit_scale_max: float = 0.0
     output_attentions_max_length: int = 4096
 
     def __post_init__(self, **kwargs):
@@ -150,6 +165,7 @@ class NPRFRobertaConfig(RobertaConfig):
     rpe_shared_across_layers: bool = True
     attention_algorithm: str = "auto"
     position_embedding_type: str = "absolute"
+    logit_scale_max: float = 0.0
     output_attentions_max_length: int = 4096
 
     def __post_init__(self, **kwargs):

@@ -15,7 +15,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -64,6 +64,7 @@ class ConversionReport:
     new: dict = field(default_factory=dict)  # name -> shape, tensors that did not exist in the source
     dropped: list = field(default_factory=list)  # source tensors the NPRF model has no place for
     rpe_init: str = "zeros"
+    transfer: Optional[object] = None  # the TransferReport when attention transfer ran
 
     def format(self):
         lines = [
@@ -77,6 +78,8 @@ class ConversionReport:
         if self.dropped:
             lines.append(f"  dropped source tensors ({len(self.dropped)}):")
             lines.extend(f"    - {name}" for name in self.dropped)
+        if self.transfer is not None:
+            lines.append(self.transfer.format())
         return "\n".join(lines)
 
 
@@ -446,7 +449,16 @@ def _convert(
 
     if tokenizer is not None and "max_position_embeddings" in config_overrides:
         tokenizer.model_max_length = config.max_position_embeddings - _position_offset(config)
-    return target, tokenizer, report
+    return target, tokenizer, report, source
+
+
+def _transfer(target, source, tokenizer, report, transfer_texts, transfer_options):
+    """Attention transfer from the softmax `source` into `target` (in place), recorded in `report`."""
+    from .transfer import attention_transfer
+
+    if tokenizer is None:
+        raise ValueError("attention transfer needs the source tokenizer: pass tokenizer=")
+    report.transfer = attention_transfer(target, source, tokenizer, transfer_texts, **(transfer_options or {}))
 
 
 def _align_prefix(source_state, source, target):
@@ -476,6 +488,8 @@ def convert_to_nprf(
     calibration_block_size: int = 128,
     return_report: bool = False,
     from_pretrained_kwargs: Optional[dict] = None,
+    transfer_texts: Optional[Sequence] = None,
+    transfer_options: Optional[dict] = None,
     **config_overrides,
 ):
     """Convert a BERT or RoBERTa model (in memory, local directory or Hub id) into its NPRF counterpart.
@@ -492,13 +506,18 @@ def convert_to_nprf(
     loaded from the path, or passed as `tokenizer=` with an in-memory model); calibration runs the
     source on `calibration_blocks` blocks of `calibration_block_size` tokens.
     from_pretrained_kwargs: passed when loading from a path (revision, trust_remote_code, ...).
+    transfer_texts: texts (strings or sentence pairs, e.g. from `read_transfer_texts`) for attention
+    transfer right after the conversion (`nprf_hf.attention_transfer`, options in `transfer_options`);
+    None = no transfer.
     Returns the NPRF model in eval mode (and a `ConversionReport` if `return_report`).
     """
-    model, _, report = _convert(
+    model, tokenizer, report, source = _convert(
         model_or_path, tokenizer=tokenizer, head=head, rpe_init=rpe_init, calibration_text=calibration_text,
         calibration_blocks=calibration_blocks, calibration_block_size=calibration_block_size,
         from_pretrained_kwargs=from_pretrained_kwargs, **config_overrides,
     )
+    if transfer_texts is not None:
+        _transfer(model, source, tokenizer, report, transfer_texts, transfer_options)
     logger.info(report.format())
     return (model, report) if return_report else model
 
@@ -506,7 +525,10 @@ def convert_to_nprf(
 def convert_checkpoint(src, out_dir, *, tokenizer=None, **kwargs) -> ConversionReport:
     """Convert `src` (model, local dir or Hub id) and save the NPRF model (safetensors + remote code)
     and the tokenizer, if there is one, to `out_dir`. kwargs as in `convert_to_nprf`."""
-    model, tokenizer, report = _convert(src, tokenizer=tokenizer, **kwargs)
+    transfer_texts, transfer_options = kwargs.pop("transfer_texts", None), kwargs.pop("transfer_options", None)
+    model, tokenizer, report, source = _convert(src, tokenizer=tokenizer, **kwargs)
+    if transfer_texts is not None:
+        _transfer(model, source, tokenizer, report, transfer_texts, transfer_options)
     model.save_pretrained(out_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)

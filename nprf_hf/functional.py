@@ -147,11 +147,14 @@ def positive_random_features(x, projection):
     return _feature_exponent(_project(x, projection), squared_norm, projection.shape[-2])
 
 
-def _normalized_features(x, projection):
-    """phi(x / |x|) for x [B, H, n, d] (zero rows stay zero, as in F.normalize), without materializing
-    x / |x|: W (x / |x|) = (W x) / |x|, so the normalization is one in-place scaling of the exponent."""
+def _normalized_features(x, projection, logit_scale=None):
+    """phi(sqrt(s) x / |x|) for x [B, H, n, d] (zero rows stay zero, as in F.normalize), without
+    materializing x / |x|: W (x / |x|) = (W x) / |x|, so the normalization is one in-place scaling of
+    the exponent. `logit_scale` s [H] (None = 1) scales both sides, so phi(q).phi(k) estimates exp(s q.k)."""
     norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
     inverse = 1.0 / norm.clamp_min(NORM_EPS)
+    if logit_scale is not None:
+        inverse = inverse * logit_scale.to(x.dtype).sqrt()[:, None, None]
     return _feature_exponent(_project(x, projection).mul_(inverse), (norm * inverse).square(), projection.shape[-2])
 
 
@@ -190,6 +193,7 @@ def nprf_attention(
     algorithm="auto",
     causal=False,
     band_width: Optional[int] = None,
+    logit_scale: Optional[torch.Tensor] = None,
 ):
     """Normalized positive random feature attention with a relative position bias.
 
@@ -205,14 +209,18 @@ def nprf_attention(
             algorithm sends the gradient of the constant tails to the outermost entries (r = +-(n-1)),
             which is exact for a bias tied beyond W; so a bias that requires grad needs band_width
             for "banded" (and "auto" only uses banded then).
+        logit_scale: None (the paper: content logits q_hat . k_hat in [-1, 1]) or s [H] > 0, a per-head
+            scale of the normalized logits: the kernel becomes exp(s q_hat . k_hat), estimated with
+            features of norm sqrt(s) (the estimate's variance grows with s).
     Returns:
         [B, H, n, d_v]. Queries with no key to attend to give zeros.
     """
     batch, heads, n, head_dim = _check_inputs(query, key, value, rpe_bias, projection, key_padding_mask, algorithm)
+    _check_logit_scale(logit_scale, heads)
     dtype = _compute_dtype(query.dtype)
     mask = None if key_padding_mask is None else key_padding_mask.to(device=query.device, dtype=dtype)
 
-    phi_q, phi_k = _features(query, key, projection, mask, dtype)
+    phi_q, phi_k = _features(query, key, projection, mask, dtype, logit_scale)
     value = value.to(dtype)
     bias = _masked_bias(rpe_bias.to(dtype), n, causal)
     c = torch.exp(bias - bias.amax(dim=-1, keepdim=True).detach())  # ratios are shift-invariant; c <= 1
@@ -239,18 +247,18 @@ def nprf_attention(
     return out.masked_fill_(~valid, 0.0).to(query.dtype)  # in place: the division's backward needs only its inputs
 
 
-def nprf_attention_weights(query, key, rpe_bias, projection, key_padding_mask=None, causal=False):
+def nprf_attention_weights(query, key, rpe_bias, projection, key_padding_mask=None, causal=False, logit_scale=None):
     """The attention matrix implied by `nprf_attention`, computed densely.
 
     Returns:
         [B, H, n, n]; row i holds the weights of the keys for query i (rows sum to 1, rows with no
         key to attend to are zero).
     """
-    _check_inputs(query, key, key, rpe_bias, projection, key_padding_mask, "dense")
-    n = query.shape[-2]
+    _, heads, n, _ = _check_inputs(query, key, key, rpe_bias, projection, key_padding_mask, "dense")
+    _check_logit_scale(logit_scale, heads)
     dtype = _compute_dtype(query.dtype)
     mask = None if key_padding_mask is None else key_padding_mask.to(device=query.device, dtype=dtype)
-    phi_q, phi_k = _features(query, key, projection, mask, dtype)
+    phi_q, phi_k = _features(query, key, projection, mask, dtype, logit_scale)
     bias = _masked_bias(rpe_bias.to(dtype), n, causal)
     c = torch.exp(bias - bias.amax(dim=-1, keepdim=True).detach())
     weights = (phi_q @ phi_k.transpose(-1, -2)) * _toeplitz(c, n)
@@ -494,10 +502,10 @@ def _compute_dtype(dtype):
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def _features(query, key, projection, mask, dtype):
+def _features(query, key, projection, mask, dtype, logit_scale=None):
     """phi(q_hat), phi(k_hat) [B, H, n, m] in `dtype`, padded keys zeroed (after the map: phi(0) != 0)."""
-    phi_q = _normalized_features(query.to(dtype), projection)
-    phi_k = _normalized_features(key.to(dtype), projection)
+    phi_q = _normalized_features(query.to(dtype), projection, logit_scale)
+    phi_k = _normalized_features(key.to(dtype), projection, logit_scale)
     if mask is not None:
         phi_k = phi_k * mask[:, None, :, None]
     return phi_q, phi_k
@@ -611,3 +619,12 @@ def _check_inputs(query, key, value, rpe_bias, projection, key_padding_mask, alg
         if key_padding_mask.dtype != torch.bool and not bool(((key_padding_mask == 0) | (key_padding_mask == 1)).all()):
             raise ValueError("key_padding_mask must be boolean or hold only 0/1 (1 = keep); got other values")
     return batch, heads, n, head_dim
+
+
+def _check_logit_scale(logit_scale, heads):
+    if logit_scale is None:
+        return
+    if logit_scale.shape != (heads,):
+        raise ValueError(f"logit_scale must be [H={heads}] (one scale per head), got {tuple(logit_scale.shape)}")
+    if not torch.compiler.is_compiling() and not bool((logit_scale > 0).all()):
+        raise ValueError("logit_scale must be > 0 for every head")

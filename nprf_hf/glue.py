@@ -571,3 +571,66 @@ def set_rpe_learning_rate(optimizer, model, learning_rate: float):
         group["params"] = [p for p in group["params"] if id(p) not in moved]
     optimizer.add_param_group({"params": rpe, "lr": learning_rate, "weight_decay": 0.0})
     return rpe
+
+
+def training_texts(dataset, info: GlueTaskInfo) -> list:
+    """The texts of a raw split as attention transfer takes them: strings, or (first, second) pairs."""
+    first = list(dataset[info.sentence1_key])
+    if info.sentence2_key is None:
+        return first
+    return list(zip(first, dataset[info.sentence2_key]))
+
+
+def check_conversion_flags(convert_to_nprf: bool, **flags):
+    """A ValueError naming the first of `flags` (option name -> value) that is set without --convert_to_nprf."""
+    if convert_to_nprf:
+        return
+    for name, value in flags.items():
+        if value:
+            raise ValueError(f"--{name} is only used with --convert_to_nprf")
+
+
+def convert_and_transfer(
+    model,
+    tokenizer,
+    nprf_config: Optional[str] = None,
+    transfer_steps: int = 0,
+    transfer_text: Optional[str] = None,
+    train_texts: Optional[list] = None,
+    transfer_options: Optional[dict] = None,
+    show_progress: bool = True,
+):
+    """What `--convert_to_nprf` does in both GLUE scripts: convert `model` (with the JSON `nprf_config` of
+    convert_to_nprf arguments), then, if `transfer_steps > 0`, run attention transfer from the softmax
+    model on `transfer_text` (a text file or GLUE task folder) or else on `train_texts` (the task's own
+    training texts, as Hedgehog does). Returns (NPRF model, TransferReport or None)."""
+    import json
+
+    import nprf_hf
+
+    overrides = json.loads(nprf_config) if nprf_config else {}
+    if not isinstance(overrides, dict):
+        raise ValueError(f"--nprf_config must be a JSON object, got {nprf_config!r}")
+    student = nprf_hf.convert_to_nprf(model, tokenizer=tokenizer, **overrides)
+    if transfer_steps <= 0:
+        if transfer_text is not None:
+            raise ValueError("--attention_transfer_text needs --attention_transfer_steps N (N > 0)")
+        return student, None
+    texts = nprf_hf.read_transfer_texts(transfer_text) if transfer_text is not None else train_texts
+    if not texts:
+        raise ValueError("attention transfer needs texts: give --attention_transfer_text or a training split")
+    report = nprf_hf.attention_transfer(
+        student, model, tokenizer, texts, steps=transfer_steps, show_progress=show_progress, **(transfer_options or {})
+    )
+    return student, report
+
+
+def save_transfer_report(report, output_dir: str) -> str:
+    """Write a TransferReport as `attention_transfer.json` in `output_dir`; returns the path."""
+    import json
+
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, "attention_transfer.json")
+    with open(path, "w") as handle:
+        json.dump(report.to_dict(), handle, indent=2)
+    return path

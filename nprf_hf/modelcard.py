@@ -142,6 +142,7 @@ SETTING_FIELDS = (
     "attention_algorithm",
     "position_embedding_type",
     "max_position_embeddings",
+    "logit_scale_max",
     "output_attentions_max_length",
 )
 # NPRF config field -> `nprf-hf convert` option, for the recipe
@@ -155,6 +156,7 @@ CONVERT_OPTIONS = (
     "rpe_shared_across_layers",
     "attention_algorithm",
     "position_embedding_type",
+    "logit_scale_max",
 )
 
 

@@ -27,6 +27,8 @@ Design notes:
   plain normalized random-feature attention and learns its positional bias while fine-tuning.
 """
 
+import math
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -186,6 +188,17 @@ class NPRFSelfAttention(BertSelfAttention):
             self.rpe_table = None
         else:
             self.rpe_table = nn.Parameter(torch.zeros(self.num_attention_heads, config.rpe_num_buckets))
+        # s = logit_scale_max * sigmoid(logit_scale_logit): bounded, so the PRF estimate's variance stays bounded
+        if config.logit_scale_max > 0:
+            self.logit_scale_logit = nn.Parameter(torch.full((self.num_attention_heads,), _unit_scale_logit(config)))
+        else:
+            self.logit_scale_logit = None
+
+    def logit_scale(self):
+        """[H] per-head scale s of the normalized content logits, or None (s = 1, the paper's NPRF)."""
+        if self.logit_scale_logit is None:
+            return None
+        return self.config.logit_scale_max * torch.sigmoid(self.logit_scale_logit.float())
 
     def draw_projection(self, draw_index):
         """[H, m, d] float32 on CPU, drawn from `projection_generator(projection_seed, layer, draw_index)`."""
@@ -243,6 +256,7 @@ class NPRFSelfAttention(BertSelfAttention):
             attention_mask, query_length, key_length, self.is_causal, query.shape[0], self.num_attention_heads
         )
 
+        logit_scale = self.logit_scale()
         output_attentions = kwargs.get("output_attentions")
         if output_attentions is None:
             output_attentions = getattr(self.config, "output_attentions", False)
@@ -269,16 +283,25 @@ class NPRFSelfAttention(BertSelfAttention):
                 algorithm=self.config.attention_algorithm,
                 causal=self.is_causal,
                 band_width=self.band_width,
+                logit_scale=logit_scale,
             )[:, :, first:]
             if output_attentions:
                 attn_weights = nprf_attention_weights(
-                    query, key, rpe_bias, self.projection, key_padding_mask=key_padding_mask, causal=self.is_causal
+                    query,
+                    key,
+                    rpe_bias,
+                    self.projection,
+                    key_padding_mask=key_padding_mask,
+                    causal=self.is_causal,
+                    logit_scale=logit_scale,
                 )[:, :, first:]
         else:
             # Exact for any mask: restrict the unmasked weights to the allowed keys and renormalize, in
             # float32 for half inputs (the allowed keys' share of a row can underflow float16).
             compute_dtype = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
-            weights = nprf_attention_weights(query.to(compute_dtype), key.to(compute_dtype), rpe_bias, self.projection)
+            weights = nprf_attention_weights(
+                query.to(compute_dtype), key.to(compute_dtype), rpe_bias, self.projection, logit_scale=logit_scale
+            )
             weights = weights[:, :, first:] * general_mask
             total = weights.sum(-1, keepdim=True)
             attn_weights = weights / torch.where(total > 0, total, torch.ones_like(total))
@@ -435,12 +458,19 @@ def create_nprf_attention_masks(
     return attention_mask, encoder_attention_mask
 
 
+def _unit_scale_logit(config):
+    """The logit_scale_logit that gives s = 1 (the paper's NPRF) under `logit_scale_max`."""
+    return -math.log(config.logit_scale_max - 1.0)
+
+
 def _init_nprf_weights(module):
     """Initialize what the NPRF modules add (called from `_init_weights`, also after a meta-device build)."""
     if isinstance(module, NPRFSelfAttention):
         init.copy_(module.projection, module.draw_projection(0))
         if module.rpe_table is not None:
             init.zeros_(module.rpe_table)
+        if module.logit_scale_logit is not None:
+            init.constant_(module.logit_scale_logit, _unit_scale_logit(module.config))
     elif isinstance(module, NPRFEncoder):
         if module.rpe_table is not None:
             init.zeros_(module.rpe_table)

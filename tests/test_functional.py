@@ -12,17 +12,21 @@ from nprf_hf import functional as Fn
 EXACT = ("dense", "fft", "banded", "auto")
 
 
-def reference_attention(query, key, value, bias, projection, mask=None, causal=False):
-    """Float64, the formula of the paper written out with explicit n x n matrices."""
+def reference_attention(query, key, value, bias, projection, mask=None, causal=False, logit_scale=None):
+    """Float64, the formula of the paper written out with explicit n x n matrices; with `logit_scale`
+    s [H], q_hat and k_hat are scaled by sqrt(s) before the feature map (kernel exp(s q_hat . k_hat))."""
     q, k, v, bias, projection = (t.double() for t in (query, key, value, bias, projection))
     batch, heads, n, _ = q.shape
     q = q / q.norm(dim=-1, keepdim=True)
     k = k / k.norm(dim=-1, keepdim=True)
+    if logit_scale is not None:
+        root = logit_scale.double().sqrt()[:, None, None]
+        q, k = q * root, k * root
     if projection.dim() == 2:
         projection = projection.expand(heads, *projection.shape)
     m = projection.shape[1]
-    phi_q = torch.exp(torch.einsum("bhnd,hmd->bhnm", q, projection) - 0.5) / math.sqrt(m)
-    phi_k = torch.exp(torch.einsum("bhnd,hmd->bhnm", k, projection) - 0.5) / math.sqrt(m)
+    phi_q = torch.exp(torch.einsum("bhnd,hmd->bhnm", q, projection) - 0.5 * q.square().sum(-1, keepdim=True)) / math.sqrt(m)
+    phi_k = torch.exp(torch.einsum("bhnd,hmd->bhnm", k, projection) - 0.5 * k.square().sum(-1, keepdim=True)) / math.sqrt(m)
     i = torch.arange(n)[:, None]
     j = torch.arange(n)[None, :]
     coefficient = torch.exp(bias[:, j - i + n - 1])  # [H, n, n]
@@ -191,6 +195,43 @@ def test_model_layout_views_match_reference_with_gradients(algorithm, causal, pe
     expected = torch.autograd.grad((ref * weights).sum(), (q, k, v))
     for got, want in zip(grads, expected):
         torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("algorithm", EXACT)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n", [9, 150])
+def test_logit_scale_matches_reference_with_gradients(algorithm, causal, n, small_chunks):
+    """A per-head scale s of the normalized logits: values and gradients (q, k, v, s) as the reference."""
+    batch, heads, d, m = 2, 3, 8, 6
+    q, k, v, projection = random_inputs(batch, heads, n, d, m)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    scale = torch.tensor([0.5, 3.0, 7.5], dtype=torch.float64, requires_grad=True)
+    bias = t5_bias(heads, n, num_buckets=16, max_distance=40, bidirectional=not causal)
+    mask = random_padding(batch, n)
+    out = Fn.nprf_attention(q, k, v, bias, projection, mask, algorithm=algorithm, causal=causal, logit_scale=scale)
+    ref = reference_attention(q, k, v, bias, projection, mask, causal, logit_scale=scale)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-11)
+    unscaled = reference_attention(q, k, v, bias, projection, mask, causal)
+    assert (out - unscaled).abs().max() > 1e-3  # the scale changes the attention
+    weights = torch.randn_like(ref)
+    grads = torch.autograd.grad((out * weights).sum(), (q, k, v, scale))
+    expected = torch.autograd.grad((ref * weights).sum(), (q, k, v, scale))
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-10)
+    implied = Fn.nprf_attention_weights(q, k, bias, projection, mask, causal=causal, logit_scale=scale)
+    torch.testing.assert_close(implied @ v, ref, rtol=1e-9, atol=1e-11)
+
+
+def test_unit_logit_scale_is_the_paper_and_bad_scales_are_refused():
+    q, k, v, projection = random_inputs(2, 3, 20, 8, 6)
+    bias = t5_bias(3, 20)
+    plain = Fn.nprf_attention(q, k, v, bias, projection)
+    torch.testing.assert_close(Fn.nprf_attention(q, k, v, bias, projection, logit_scale=torch.ones(3, dtype=torch.float64)), plain)
+    with pytest.raises(ValueError, match="logit_scale must be \\[H=3\\]"):
+        Fn.nprf_attention(q, k, v, bias, projection, logit_scale=torch.ones(2))
+    with pytest.raises(ValueError, match="> 0"):
+        Fn.nprf_attention(q, k, v, bias, projection, logit_scale=torch.tensor([1.0, 0.0, 2.0]))
 
 
 @pytest.mark.parametrize("algorithm", EXACT)

@@ -135,6 +135,8 @@ def test_config_defaults_and_roundtrip(config_class, tmp_path):
         ("rpe_max_distance", 8, "rpe_num_buckets // 2"),
         ("rpe_shared_across_layers", "yes", "True or False"),
         ("output_attentions_max_length", 0, "positive"),
+        ("logit_scale_max", 0.5, "> 1"),
+        ("logit_scale_max", True, "> 1"),
     ],
 )
 @pytest.mark.parametrize("config_class", [NPRFBertConfig, NPRFRobertaConfig])
@@ -593,3 +595,35 @@ def test_self_attention_needs_a_table():
 def test_package_exports():
     for name in nprf_hf.__all__:
         assert hasattr(nprf_hf, name), name
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta"])
+def test_logit_scale_starts_at_one_and_trains(family, tmp_path):
+    """logit_scale_max > 1 adds a per-head scale s per layer, starting at s = 1 (today's outputs), that
+    gradients reach, that stays below the bound, and that saves and reloads."""
+    cls = NPRFBertModel if family == "bert" else NPRFRobertaModel
+    plain = cls(tiny_config(family)).eval()
+    scaled = cls(tiny_config(family, logit_scale_max=8.0)).eval()
+    scaled.load_state_dict(plain.state_dict(), strict=False)
+    randomize_rpe(plain)
+    randomize_rpe(scaled)
+    inputs = model_inputs(cls)
+    attention = scaled.encoder.layer[1].attention.self
+    torch.testing.assert_close(attention.logit_scale(), torch.ones(TINY["num_attention_heads"]))
+    torch.testing.assert_close(scaled(**inputs).last_hidden_state, plain(**inputs).last_hidden_state, rtol=1e-5, atol=1e-5)
+    scaled(**inputs).last_hidden_state.square().sum().backward()
+    assert attention.logit_scale_logit.grad.abs().min() > 0
+    with torch.no_grad():
+        attention.logit_scale_logit.fill_(50.0)
+    assert torch.allclose(attention.logit_scale(), torch.full((TINY["num_attention_heads"],), 8.0))
+    sharp = scaled(**inputs, output_attentions=True)
+    assert not torch.allclose(sharp.last_hidden_state, plain(**inputs).last_hidden_state, atol=1e-3)
+    # the implied attention matrix reflects the scale: larger logits, lower entropy than at s = 1
+    soft = plain(**inputs, output_attentions=True).attentions[1]
+    entropy = lambda w: -(w * w.clamp_min(1e-30).log()).sum(-1)[0].mean()
+    assert entropy(sharp.attentions[1]) < entropy(soft)
+    scaled.save_pretrained(tmp_path)
+    reloaded = cls.from_pretrained(tmp_path).eval()
+    assert torch.equal(reloaded.encoder.layer[1].attention.self.logit_scale_logit, attention.logit_scale_logit)
+    torch.testing.assert_close(reloaded(**inputs).last_hidden_state, scaled(**inputs).last_hidden_state)
+    assert "logit_scale_logit" not in " ".join(n for n, _ in plain.named_parameters())

@@ -1,0 +1,362 @@
+# Copyright 2025 The nprf-hf authors. Licensed under the Apache License, Version 2.0.
+"""Attention transfer: teach a converted NPRF model's attention to reproduce its softmax source.
+
+After conversion every tensor of the source is in the NPRF model, but the attention that reads
+them is new: normalized random-feature kernels and a relative bias instead of exp(q.k / sqrt(d)).
+Attention transfer (in the spirit of Hedgehog, Zhang et al. ICLR 2024, and LoLCATs' attention
+transfer) trains only the attention's own parameters so that, layer by layer, the NPRF
+self-attention output equals the softmax one:
+
+    loss_l = sum_valid |W_o z_l^NPRF(h_l) - W_o z_l^softmax(h_l)|^2  /  sum_valid |W_o z_l^softmax(h_l)|^2
+
+where h_l is the *teacher's* input to layer l (so errors do not compound from layer to layer),
+W_o the layer's frozen output projection and the sums run over real (not padded) tokens. The
+relative form makes layers of different output scale count alike; 1.0 is the error of an
+attention that outputs nothing. The training loss is the mean over layers.
+
+By default the query/key projections, the RPE table(s) and the logit scales (when the config has
+`logit_scale_max`) train; values, output projections and everything else stay bit-identical.
+"""
+
+import inspect
+import math
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+
+
+Text = Union[str, Tuple[str, str]]
+
+# Parameter names (relative to a layer's `attention.self`) that the transfer trains by default.
+ATTENTION_PARAMETERS = ("query.", "key.", "rpe_table", "logit_scale_logit")
+VALUE_OUTPUT_PARAMETERS = ("value.",)
+# The RPE tables and logit scales are biases in logit units, far from where they must go (a zero table,
+# s = 1): Adam moves a parameter by about its rate per step, so they get a rate of their own.
+TABLE_PARAMETERS = ("rpe_table", "logit_scale_logit")
+
+
+@dataclass
+class TransferReport:
+    """What `attention_transfer` did: per-layer relative output error before/after, on the same batches."""
+
+    steps: int
+    seconds: float
+    num_texts: int
+    trainable: List[str]
+    loss_before: List[float]
+    loss_after: List[float]
+    history: List[Tuple[int, float]] = field(default_factory=list)
+
+    def format(self) -> str:
+        lines = [
+            f"Attention transfer: {self.steps} steps on {self.num_texts} texts in {self.seconds:.0f} s, "
+            f"{len(self.trainable)} tensors trained",
+            "layer  relative error before -> after",
+        ]
+        for index, (before, after) in enumerate(zip(self.loss_before, self.loss_after)):
+            lines.append(f"{index:>5}  {before:.4f} -> {after:.4f}")
+        mean_before = sum(self.loss_before) / len(self.loss_before)
+        mean_after = sum(self.loss_after) / len(self.loss_after)
+        lines.append(f" mean  {mean_before:.4f} -> {mean_after:.4f}")
+        return "\n".join(lines)
+
+    def to_dict(self):
+        return {
+            "steps": self.steps,
+            "seconds": self.seconds,
+            "num_texts": self.num_texts,
+            "trainable": self.trainable,
+            "loss_before": self.loss_before,
+            "loss_after": self.loss_after,
+            "history": self.history,
+        }
+
+
+def read_transfer_texts(path: str, task_name: Optional[str] = None) -> List[Text]:
+    """Texts for the transfer from `path`: a plain text file (one text per non-empty line; WikiText's
+    `= Heading =` lines are skipped), or a GLUE task folder / glue_data root (its train.tsv sentences,
+    sentence pairs for pair tasks; the task from `task_name` or the folder's name)."""
+    import os
+
+    if os.path.isdir(path):
+        from . import glue
+
+        if task_name is None:
+            task_name = os.path.basename(os.path.normpath(path))
+        task_name = glue.normalize_task_name(task_name)
+        files = glue.glue_dir_files(path, task_name)
+        if "train" not in files:
+            raise ValueError(f"{path} has no train.tsv for task {task_name}")
+        columns = glue.read_glue_tsv(files["train"], task_name)
+        first, second = glue.TASK_TO_KEYS[task_name]
+        if second is None:
+            return list(columns[first])
+        return list(zip(columns[first], columns[second]))
+    if not os.path.isfile(path):
+        raise ValueError(f"no such file or directory: {path} (give a plain text file or a GLUE task folder)")
+    with open(path, encoding="utf-8") as handle:
+        texts = [line.strip() for line in handle]
+    texts = [t for t in texts if t and not (t.startswith("=") and t.endswith("="))]
+    if not texts:
+        raise ValueError(f"{path} holds no text")
+    return texts
+
+
+def _layers(model):
+    encoder = getattr(model.base_model, "encoder", None)
+    layers = getattr(encoder, "layer", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no encoder.layer: attention transfer needs a BERT/RoBERTa-layout model")
+    return encoder, list(layers)
+
+
+def _trainable(student, train_value_output):
+    """(name, parameter) of what the transfer trains: the attention's own parameters."""
+    wanted = ATTENTION_PARAMETERS + (VALUE_OUTPUT_PARAMETERS if train_value_output else ())
+    chosen = []
+    for name, param in student.base_model.named_parameters():
+        if name == "encoder.rpe_table":
+            chosen.append((name, param))
+            continue
+        if ".attention.self." in name:
+            local = name.split(".attention.self.", 1)[1]
+            if local.startswith(wanted):
+                chosen.append((name, param))
+        elif train_value_output and ".attention.output.dense." in name:
+            chosen.append((name, param))
+    return chosen
+
+
+class _TeacherRecorder:
+    """Forward hooks on the teacher's layers: each layer's input and its attention's output projection."""
+
+    def __init__(self, layers):
+        self.inputs = [None] * len(layers)
+        self.outputs = [None] * len(layers)
+        self.handles = []
+        for index, layer in enumerate(layers):
+            self.handles.append(layer.attention.register_forward_pre_hook(self._input_hook(index), with_kwargs=True))
+            self.handles.append(layer.attention.output.dense.register_forward_hook(self._output_hook(index)))
+
+    def _input_hook(self, index):
+        def hook(module, args, kwargs):
+            self.inputs[index] = args[0] if args else kwargs["hidden_states"]
+
+        return hook
+
+    def _output_hook(self, index):
+        def hook(module, args, output):
+            self.outputs[index] = output
+
+        return hook
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
+
+
+def _encode(tokenizer, texts, max_length, device):
+    if isinstance(texts[0], (tuple, list)):
+        first, second = [t[0] for t in texts], [t[1] for t in texts]
+        batch = tokenizer(first, second, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+    else:
+        batch = tokenizer(list(texts), padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+    keep = ("input_ids", "attention_mask", "token_type_ids")
+    return {k: v.to(device) for k, v in batch.items() if k in keep}
+
+
+def _layer_errors(student_layers, student_encoder, recorder, mask):
+    """[L] relative squared error of each student layer's attention output (teacher inputs), real tokens only."""
+    weight = mask.to(recorder.outputs[0].dtype)[..., None]
+    shared_table = getattr(student_encoder, "rpe_table", None)
+    errors = []
+    for layer, hidden, target in zip(student_layers, recorder.inputs, recorder.outputs):
+        context, _ = layer.attention.self(hidden, attention_mask=mask, rpe_table=shared_table)
+        output = layer.attention.output.dense(context)
+        numerator = ((output - target).square() * weight).sum()
+        denominator = (target.square() * weight).sum().clamp_min(1e-12)
+        errors.append(numerator / denominator)
+    return torch.stack(errors)
+
+
+def _check_pair(student, teacher):
+    student_config, teacher_config = student.config, teacher.config
+    if not student_config.model_type.startswith("nprf_"):
+        raise ValueError(f"the student must be an NPRF model (convert_to_nprf), got model_type {student_config.model_type!r}")
+    if teacher_config.model_type.startswith("nprf_"):
+        raise ValueError("the teacher must be the softmax source model, not an NPRF model")
+    for name in ("num_hidden_layers", "hidden_size", "num_attention_heads", "is_decoder"):
+        if getattr(student_config, name) != getattr(teacher_config, name):
+            raise ValueError(
+                f"student and teacher differ in {name} ({getattr(student_config, name)} vs "
+                f"{getattr(teacher_config, name)}): the student must be the teacher's conversion"
+            )
+
+
+def attention_transfer(
+    student,
+    teacher,
+    tokenizer,
+    texts: Sequence[Text],
+    *,
+    steps: int = 500,
+    batch_size: int = 16,
+    max_length: int = 128,
+    learning_rate: float = 1e-3,
+    table_learning_rate: float = 2e-2,
+    seed: int = 0,
+    train_value_output: bool = False,
+    eval_texts: Optional[Sequence[Text]] = None,
+    eval_batches: int = 4,
+    show_progress: bool = True,
+) -> TransferReport:
+    """Train `student`'s attention so that each layer's NPRF self-attention reproduces `teacher`'s
+    softmax self-attention on the teacher's own layer inputs (module docstring). In place.
+
+    Args:
+        student: an NPRF model (any head) converted from `teacher`.
+        teacher: the softmax BERT/RoBERTa source (any head); not changed.
+        tokenizer: the source's tokenizer.
+        texts: unlabeled texts, strings or (first, second) pairs (pairs are encoded as one input with
+            token types, as a cross-encoder sees them). Cycled in a seeded random order.
+        steps, batch_size, max_length: optimisation steps, texts per step, tokens per text (truncated;
+            padded per batch, padded tokens never count).
+        learning_rate: Adam's rate of the projections, decayed to a tenth along a cosine.
+        table_learning_rate: Adam's rate of the RPE table(s) and logit scales (same schedule).
+        seed: the order of the texts (the run is deterministic for a seed on one device).
+        train_value_output: also train the value and output projections (off: they stay bit-identical).
+        eval_texts: texts for the before/after report (default: the first `eval_batches` batches of
+            `texts`).
+    Returns:
+        A `TransferReport` (per-layer relative errors before and after, loss history, time).
+    """
+    if steps < 0 or batch_size < 1 or max_length < 2 or not learning_rate > 0 or not table_learning_rate > 0:
+        raise ValueError(
+            f"need steps >= 0, batch_size >= 1, max_length >= 2 and learning rates > 0; got steps={steps}, "
+            f"batch_size={batch_size}, max_length={max_length}, learning_rate={learning_rate}, "
+            f"table_learning_rate={table_learning_rate}"
+        )
+    texts = list(texts)
+    if not texts:
+        raise ValueError("attention transfer needs at least one text")
+    _check_pair(student, teacher)
+    device = next(student.parameters()).device
+    teacher_base = teacher.base_model
+    teacher_was_training, student_was_training = teacher_base.training, student.training
+    teacher_device = next(teacher_base.parameters()).device
+    teacher_base.to(device).eval()
+    student.eval()  # no dropout, no projection redraw
+    student_encoder, student_layers = _layers(student)
+    _, teacher_layers = _layers(teacher)
+    trainable = _trainable(student, train_value_output)
+    flags = {param: param.requires_grad for param in student.parameters()}
+    for param in student.parameters():
+        param.requires_grad_(False)
+    for _, param in trainable:
+        param.requires_grad_(True)
+
+    generator = torch.Generator().manual_seed(seed)
+    eval_pool = list(eval_texts) if eval_texts is not None else texts[: batch_size * eval_batches]
+    eval_sets = [eval_pool[i : i + batch_size] for i in range(0, len(eval_pool), batch_size)]
+    recorder = _TeacherRecorder(teacher_layers)
+
+    def teacher_pass(batch):
+        with torch.no_grad():
+            teacher_base(**batch)
+        return batch["attention_mask"].bool()
+
+    def evaluate():
+        total, count = None, 0
+        with torch.no_grad():
+            for chunk in eval_sets:
+                batch = _encode(tokenizer, chunk, max_length, device)
+                mask = teacher_pass(batch)
+                errors = _layer_errors(student_layers, student_encoder, recorder, mask) * len(chunk)
+                total = errors if total is None else total + errors
+                count += len(chunk)
+        return [float(e) for e in total / count]
+
+    history = []
+    start = time.perf_counter()
+    try:
+        loss_before = evaluate()
+        if steps > 0:
+            tables = [p for name, p in trainable if name.endswith(TABLE_PARAMETERS)]
+            weights = [p for name, p in trainable if not name.endswith(TABLE_PARAMETERS)]
+            groups = [{"params": weights, "lr": learning_rate}, {"params": tables, "lr": table_learning_rate}]
+            optimizer = torch.optim.Adam([g for g in groups if g["params"]])
+            schedule = torch.optim.lr_scheduler.LambdaLR(
+                optimizer, lambda step: 0.1 + 0.45 * (1 + math.cos(math.pi * min(step / steps, 1.0)))
+            )
+            order, position = torch.randperm(len(texts), generator=generator).tolist(), 0
+            progress = _progress(steps, show_progress)
+            for step in range(1, steps + 1):
+                chunk = []
+                while len(chunk) < batch_size:
+                    if position == len(order):
+                        order, position = torch.randperm(len(texts), generator=generator).tolist(), 0
+                    chunk.append(texts[order[position]])
+                    position += 1
+                batch = _encode(tokenizer, chunk, max_length, device)
+                mask = teacher_pass(batch)
+                loss = _layer_errors(student_layers, student_encoder, recorder, mask).mean()
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(
+                        f"attention transfer diverged at step {step} (loss {float(loss)}): lower the learning rate"
+                    )
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                schedule.step()
+                history.append((step, loss.item()))
+                progress.set_postfix(loss=f"{history[-1][1]:.4f}")
+                progress.update(1)
+            progress.close()
+        loss_after = evaluate()
+    finally:
+        recorder.remove()
+        for param, flag in flags.items():
+            param.requires_grad_(flag)
+        student.train(student_was_training)
+        teacher_base.to(teacher_device).train(teacher_was_training)
+    return TransferReport(
+        steps=steps,
+        seconds=time.perf_counter() - start,
+        num_texts=len(texts),
+        trainable=[name for name, _ in trainable],
+        loss_before=loss_before,
+        loss_after=loss_after,
+        history=history,
+    )
+
+
+# The keyword defaults of `attention_transfer`, for the CLI and the GLUE scripts' options.
+TRANSFER_DEFAULTS = {
+    name: parameter.default
+    for name, parameter in inspect.signature(attention_transfer).parameters.items()
+    if parameter.kind is inspect.Parameter.KEYWORD_ONLY
+}
+
+
+def _progress(total, enabled):
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # tqdm is an optional dependency; no bar then
+
+        class _Silent:
+            def set_postfix(self, **kwargs):
+                pass
+
+            def update(self, n):
+                pass
+
+            def close(self):
+                pass
+
+        return _Silent()
+    return tqdm(total=total, desc="attention transfer", disable=not enabled, leave=False)
+
+
+__all__ = ["TRANSFER_DEFAULTS", "TransferReport", "attention_transfer", "read_transfer_texts"]

