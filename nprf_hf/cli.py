@@ -70,6 +70,12 @@ def add_convert_parser(subparsers):
         type=float,
         help="> 1: a learnable per-head scale (starting at 1, bounded by this) of the normalized content logits",
     )
+    parser.add_argument(
+        "--segment-bias",
+        type=_bool,
+        metavar="true|false",
+        help="a learned per-head bias for query/key pairs in different segments of a sentence pair",
+    )
     parser.add_argument("--rpe-init", choices=RPE_INITS, default="zeros")
     parser.add_argument("--calibration-text", help="plain text file for --rpe-init calibrated")
     parser.add_argument("--calibration-blocks", type=int, default=32, help="number of calibration blocks")
@@ -112,6 +118,7 @@ CONFIG_OPTIONS = (
     "max_position_embeddings",
     "position_embedding_type",
     "logit_scale_max",
+    "segment_bias",
 )
 
 

@@ -27,6 +27,11 @@ Both configs are the HF ones plus the fields below (defaults and why):
   learnable per-head scale s in (0, logit_scale_max) of those logits (kernel exp(s q.k)), starting at
   s = 1. Off by default: the default is the paper's NPRF, and the random-feature estimate's variance
   grows with s (benchmarks/approximation.py).
+- `segment_bias` (False): a learned per-head bias beta (per layer, starting at 0) added to the
+  relative bias of every query/key pair in different segments of a sentence pair (token_type_ids;
+  RoBERTa, which has none, takes the segments from the separator tokens), so that attention can tell
+  "same sentence" from "other sentence". Exact and linear-time: one Toeplitz product per segment
+  (about 2x for pairs). Off by default: it has not yet earned its place (model_cards/GLUE_RESULTS.md).
 - `output_attentions_max_length` (4096): `output_attentions=True` materializes the implied n x n
   attention matrix per head; beyond this length it raises instead of exhausting memory.
 """
@@ -104,6 +109,10 @@ def validate_nprf_fields(config):
             "logit_scale_max must be 0 (off: the paper's NPRF) or a number > 1 (the bound of the learnable "
             f"per-head logit scale, which starts at 1), got {config.logit_scale_max!r}"
         )
+    if not isinstance(config.segment_bias, bool):
+        raise ValueError(f"segment_bias must be True or False, got {config.segment_bias!r}")
+    if config.segment_bias and config.is_decoder:
+        raise ValueError("segment_bias=True is for encoders reading sentence pairs; a decoder (is_decoder=True) has no segments")
     if not _is_int(config.output_attentions_max_length) or config.output_attentions_max_length < 1:
         raise ValueError(
             f"output_attentions_max_length must be a positive integer, got {config.output_attentions_max_length!r}"
@@ -138,6 +147,7 @@ class NPRFBertConfig(BertConfig):
     attention_algorithm: str = "auto"
     position_embedding_type: str = "absolute"
     logit_scale_max: float = 0.0
+    segment_bias: bool = False
     output_attentions_max_length: int = 4096
 
     def __post_init__(self, **kwargs):
@@ -166,6 +176,7 @@ class NPRFRobertaConfig(RobertaConfig):
     attention_algorithm: str = "auto"
     position_embedding_type: str = "absolute"
     logit_scale_max: float = 0.0
+    segment_bias: bool = False
     output_attentions_max_length: int = 4096
 
     def __post_init__(self, **kwargs):

@@ -194,6 +194,8 @@ def nprf_attention(
     causal=False,
     band_width: Optional[int] = None,
     logit_scale: Optional[torch.Tensor] = None,
+    segment_ids: Optional[torch.Tensor] = None,
+    segment_bias: Optional[torch.Tensor] = None,
 ):
     """Normalized positive random feature attention with a relative position bias.
 
@@ -212,11 +214,16 @@ def nprf_attention(
         logit_scale: None (the paper: content logits q_hat . k_hat in [-1, 1]) or s [H] > 0, a per-head
             scale of the normalized logits: the kernel becomes exp(s q_hat . k_hat), estimated with
             features of norm sqrt(s) (the estimate's variance grows with s).
+        segment_ids: None or [B, n] integer segment of every token (e.g. token_type_ids of a sentence
+            pair), with `segment_bias` [H]: beta_h is added to the bias of every query/key pair in
+            different segments. exp of a sum is a product, so the Toeplitz product splits exactly into
+            one product per key segment (cost x number of segments).
     Returns:
         [B, H, n, d_v]. Queries with no key to attend to give zeros.
     """
     batch, heads, n, head_dim = _check_inputs(query, key, value, rpe_bias, projection, key_padding_mask, algorithm)
     _check_logit_scale(logit_scale, heads)
+    _check_segments(segment_ids, segment_bias, batch, heads, n)
     dtype = _compute_dtype(query.dtype)
     mask = None if key_padding_mask is None else key_padding_mask.to(device=query.device, dtype=dtype)
 
@@ -226,12 +233,19 @@ def nprf_attention(
     c = torch.exp(bias - bias.amax(dim=-1, keepdim=True).detach())  # ratios are shift-invariant; c <= 1
 
     algorithm, band_width = _resolve_algorithm(algorithm, bias, n, band_width, phi_q.shape[-1], value.shape[-1] + 1)
-    if algorithm == "dense":
-        out = _dense_toeplitz_attention(phi_q, phi_k, _values_and_ones(value), c)
-    elif algorithm == "fft":
-        out = _fft_toeplitz_attention(phi_q, phi_k, _values_and_ones(value), c)
+    u = None if algorithm == "banded" else _values_and_ones(value)
+
+    def toeplitz_product(keys):
+        if algorithm == "dense":
+            return _dense_toeplitz_attention(phi_q, keys, u, c)
+        if algorithm == "fft":
+            return _fft_toeplitz_attention(phi_q, keys, u, c)
+        return _banded_toeplitz_attention(phi_q, keys, value, c, band_width, causal)
+
+    if segment_ids is None:
+        out = toeplitz_product(phi_k)
     else:
-        out = _banded_toeplitz_attention(phi_q, phi_k, value, c, band_width, causal)
+        out = _segmented_product(toeplitz_product, phi_k, segment_ids.to(query.device), segment_bias.to(dtype))
 
     numerator, denominator = out[..., :-1], out[..., -1:]
     valid = denominator != 0  # exact sums are >= 0; NaN stays NaN, so a diverging run is not hidden
@@ -247,21 +261,37 @@ def nprf_attention(
     return out.masked_fill_(~valid, 0.0).to(query.dtype)  # in place: the division's backward needs only its inputs
 
 
-def nprf_attention_weights(query, key, rpe_bias, projection, key_padding_mask=None, causal=False, logit_scale=None):
-    """The attention matrix implied by `nprf_attention`, computed densely.
+def nprf_attention_weights(
+    query,
+    key,
+    rpe_bias,
+    projection,
+    key_padding_mask=None,
+    causal=False,
+    logit_scale=None,
+    segment_ids=None,
+    segment_bias=None,
+):
+    """The attention matrix implied by `nprf_attention` (same arguments), computed densely.
 
     Returns:
         [B, H, n, n]; row i holds the weights of the keys for query i (rows sum to 1, rows with no
         key to attend to are zero).
     """
-    _, heads, n, _ = _check_inputs(query, key, key, rpe_bias, projection, key_padding_mask, "dense")
+    batch, heads, n, _ = _check_inputs(query, key, key, rpe_bias, projection, key_padding_mask, "dense")
     _check_logit_scale(logit_scale, heads)
+    _check_segments(segment_ids, segment_bias, batch, heads, n)
     dtype = _compute_dtype(query.dtype)
     mask = None if key_padding_mask is None else key_padding_mask.to(device=query.device, dtype=dtype)
     phi_q, phi_k = _features(query, key, projection, mask, dtype, logit_scale)
     bias = _masked_bias(rpe_bias.to(dtype), n, causal)
     c = torch.exp(bias - bias.amax(dim=-1, keepdim=True).detach())
     weights = (phi_q @ phi_k.transpose(-1, -2)) * _toeplitz(c, n)
+    if segment_ids is not None:
+        same, other = _segment_factors(segment_bias.to(dtype))
+        segment_ids = segment_ids.to(query.device)
+        crossing = (segment_ids[:, :, None] != segment_ids[:, None, :])[:, None]  # [B, 1, n, n]
+        weights = weights * torch.where(crossing, other[:, None, None], same[:, None, None])
     total = weights.sum(-1, keepdim=True)
     valid = total > 0
     weights = torch.where(valid, weights / torch.where(valid, total, torch.ones_like(total)), 0.0)
@@ -619,6 +649,36 @@ def _check_inputs(query, key, value, rpe_bias, projection, key_padding_mask, alg
         if key_padding_mask.dtype != torch.bool and not bool(((key_padding_mask == 0) | (key_padding_mask == 1)).all()):
             raise ValueError("key_padding_mask must be boolean or hold only 0/1 (1 = keep); got other values")
     return batch, heads, n, head_dim
+
+
+def _segment_factors(segment_bias):
+    """exp(0) and exp(beta) per head [H], both divided by the larger (ratios are what count): <= 1."""
+    top = segment_bias.clamp_min(0.0)
+    return torch.exp(-top), torch.exp(segment_bias - top)
+
+
+def _segmented_product(toeplitz_product, phi_k, segment_ids, segment_bias):
+    """sum_j c_{j-i} exp(beta [s_i != s_j]) (phi_q_i . phi_k_j) u_j: one Toeplitz product per key segment
+    (keys of the other segments zeroed), each weighted per query by exp(0) or exp(beta)."""
+    same, other = _segment_factors(segment_bias)
+    out = None
+    for segment in torch.unique(segment_ids).tolist():
+        in_segment = segment_ids == segment  # [B, n]
+        part = toeplitz_product(phi_k * in_segment[:, None, :, None].to(phi_k.dtype))
+        weight = torch.where(in_segment[:, None, :, None], same[:, None, None], other[:, None, None])  # [B, H, n, 1]
+        out = part * weight if out is None else out + part * weight
+    return out
+
+
+def _check_segments(segment_ids, segment_bias, batch, heads, n):
+    if (segment_ids is None) != (segment_bias is None):
+        raise ValueError("segment_ids and segment_bias go together: give both or neither")
+    if segment_ids is None:
+        return
+    if segment_ids.shape != (batch, n) or segment_ids.is_floating_point():
+        raise ValueError(f"segment_ids must be integer [B={batch}, n={n}], got {segment_ids.dtype} {tuple(segment_ids.shape)}")
+    if segment_bias.shape != (heads,):
+        raise ValueError(f"segment_bias must be [H={heads}] (one bias per head), got {tuple(segment_bias.shape)}")
 
 
 def _check_logit_scale(logit_scale, heads):

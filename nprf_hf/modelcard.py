@@ -143,6 +143,7 @@ SETTING_FIELDS = (
     "position_embedding_type",
     "max_position_embeddings",
     "logit_scale_max",
+    "segment_bias",
     "output_attentions_max_length",
 )
 # NPRF config field -> `nprf-hf convert` option, for the recipe
@@ -157,6 +158,7 @@ CONVERT_OPTIONS = (
     "attention_algorithm",
     "position_embedding_type",
     "logit_scale_max",
+    "segment_bias",
 )
 
 

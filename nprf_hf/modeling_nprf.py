@@ -193,6 +193,11 @@ class NPRFSelfAttention(BertSelfAttention):
             self.logit_scale_logit = nn.Parameter(torch.full((self.num_attention_heads,), _unit_scale_logit(config)))
         else:
             self.logit_scale_logit = None
+        # beta_h, added to the relative bias of pairs in different segments (0 = distance only)
+        if config.segment_bias:
+            self.cross_segment_bias = nn.Parameter(torch.zeros(self.num_attention_heads))
+        else:
+            self.cross_segment_bias = None
 
     def logit_scale(self):
         """[H] per-head scale s of the normalized content logits, or None (s = 1, the paper's NPRF)."""
@@ -216,7 +221,9 @@ class NPRFSelfAttention(BertSelfAttention):
     def redraw_projection(self, draw_index):
         self.projection.copy_(self.draw_projection(draw_index))
 
-    def forward(self, hidden_states, attention_mask=None, past_key_values=None, rpe_table=None, **kwargs):
+    def forward(
+        self, hidden_states, attention_mask=None, past_key_values=None, rpe_table=None, segment_ids=None, **kwargs
+    ):
         """
         Args:
             hidden_states: [B, Lq, hidden].
@@ -224,6 +231,8 @@ class NPRFSelfAttention(BertSelfAttention):
             past_key_values: a Cache (decoder generation); keys/values are then [B, H, Lk, d] with
                 Lk >= Lq and the queries are the last Lq positions.
             rpe_table: [H, rpe_num_buckets], the shared table (when this module has none).
+            segment_ids: [B, L] segment of every token (`segment_ids_from_inputs`), used with
+                `config.segment_bias`; None = one segment.
         Returns:
             (attn_output [B, Lq, hidden], attn_weights [B, H, Lq, Lk] or None).
         """
@@ -257,6 +266,9 @@ class NPRFSelfAttention(BertSelfAttention):
         )
 
         logit_scale = self.logit_scale()
+        segments = {}
+        if self.cross_segment_bias is not None and segment_ids is not None:
+            segments = {"segment_ids": segment_ids, "segment_bias": self.cross_segment_bias}
         output_attentions = kwargs.get("output_attentions")
         if output_attentions is None:
             output_attentions = getattr(self.config, "output_attentions", False)
@@ -284,6 +296,7 @@ class NPRFSelfAttention(BertSelfAttention):
                 causal=self.is_causal,
                 band_width=self.band_width,
                 logit_scale=logit_scale,
+                **segments,
             )[:, :, first:]
             if output_attentions:
                 attn_weights = nprf_attention_weights(
@@ -294,13 +307,14 @@ class NPRFSelfAttention(BertSelfAttention):
                     key_padding_mask=key_padding_mask,
                     causal=self.is_causal,
                     logit_scale=logit_scale,
+                    **segments,
                 )[:, :, first:]
         else:
             # Exact for any mask: restrict the unmasked weights to the allowed keys and renormalize, in
             # float32 for half inputs (the allowed keys' share of a row can underflow float16).
             compute_dtype = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
             weights = nprf_attention_weights(
-                query.to(compute_dtype), key.to(compute_dtype), rpe_bias, self.projection, logit_scale=logit_scale
+                query.to(compute_dtype), key.to(compute_dtype), rpe_bias, self.projection, logit_scale=logit_scale, **segments
             )
             weights = weights[:, :, first:] * general_mask
             total = weights.sum(-1, keepdim=True)
@@ -471,10 +485,36 @@ def _init_nprf_weights(module):
             init.zeros_(module.rpe_table)
         if module.logit_scale_logit is not None:
             init.constant_(module.logit_scale_logit, _unit_scale_logit(module.config))
+        if module.cross_segment_bias is not None:
+            init.zeros_(module.cross_segment_bias)
     elif isinstance(module, NPRFEncoder):
         if module.rpe_table is not None:
             init.zeros_(module.rpe_table)
         init.zeros_(module.redraw_step)
+
+
+def segment_ids_from_inputs(config, input_ids=None, token_type_ids=None):
+    """[B, L] segment of every token for `config.segment_bias`, or None when there is nothing to tell
+    apart: token_type_ids when given (BERT); for RoBERTa, whose token types are all 0, the pair layout
+    `<s> A </s></s> B </s>`: tokens after the first separator (eos_token_id) are segment 1."""
+    if config.model_type == "nprf_roberta" and input_ids is not None:
+        separators = (input_ids == config.eos_token_id).long()
+        return ((separators.cumsum(-1) - separators) > 0).long()
+    return token_type_ids
+
+
+def _forward_with_segments(model_class):
+    """`model_class.forward`, plus the segment ids the self-attention needs under `config.segment_bias`."""
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, **kwargs):
+        if self.config.segment_bias and kwargs.get("segment_ids") is None:
+            kwargs["segment_ids"] = segment_ids_from_inputs(self.config, input_ids, token_type_ids)
+        return model_class.forward(
+            self, input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, **kwargs
+        )
+
+    forward.__doc__ = model_class.forward.__doc__
+    return forward
 
 
 def _position_limit_error(length, limit):
@@ -586,6 +626,8 @@ class NPRFBertModel(NPRFBertPreTrainedModel, BertModel):
         self.post_init()
 
     _create_attention_masks = create_nprf_attention_masks
+
+    forward = _forward_with_segments(BertModel)
 
 
 class NPRFBertForMaskedLM(NPRFBertPreTrainedModel, BertForMaskedLM):
@@ -704,6 +746,7 @@ class NPRFRobertaModel(NPRFRobertaPreTrainedModel, RobertaModel):
         self.post_init()
 
     _create_attention_masks = create_nprf_attention_masks
+    forward = _forward_with_segments(RobertaModel)
 
 
 class NPRFRobertaForCausalLM(NPRFRobertaPreTrainedModel, RobertaForCausalLM):

@@ -30,11 +30,11 @@ import torch
 Text = Union[str, Tuple[str, str]]
 
 # Parameter names (relative to a layer's `attention.self`) that the transfer trains by default.
-ATTENTION_PARAMETERS = ("query.", "key.", "rpe_table", "logit_scale_logit")
+ATTENTION_PARAMETERS = ("query.", "key.", "rpe_table", "logit_scale_logit", "cross_segment_bias")
 VALUE_OUTPUT_PARAMETERS = ("value.",)
 # The RPE tables and logit scales are biases in logit units, far from where they must go (a zero table,
 # s = 1): Adam moves a parameter by about its rate per step, so they get a rate of their own.
-TABLE_PARAMETERS = ("rpe_table", "logit_scale_logit")
+TABLE_PARAMETERS = ("rpe_table", "logit_scale_logit", "cross_segment_bias")
 
 
 @dataclass
@@ -167,13 +167,13 @@ def _encode(tokenizer, texts, max_length, device):
     return {k: v.to(device) for k, v in batch.items() if k in keep}
 
 
-def _layer_errors(student_layers, student_encoder, recorder, mask):
+def _layer_errors(student_layers, student_encoder, recorder, mask, segment_ids=None):
     """[L] relative squared error of each student layer's attention output (teacher inputs), real tokens only."""
     weight = mask.to(recorder.outputs[0].dtype)[..., None]
     shared_table = getattr(student_encoder, "rpe_table", None)
     errors = []
     for layer, hidden, target in zip(student_layers, recorder.inputs, recorder.outputs):
-        context, _ = layer.attention.self(hidden, attention_mask=mask, rpe_table=shared_table)
+        context, _ = layer.attention.self(hidden, attention_mask=mask, rpe_table=shared_table, segment_ids=segment_ids)
         output = layer.attention.output.dense(context)
         numerator = ((output - target).square() * weight).sum()
         denominator = (target.square() * weight).sum().clamp_min(1e-12)
@@ -267,13 +267,21 @@ def attention_transfer(
             teacher_base(**batch)
         return batch["attention_mask"].bool()
 
+    def student_errors(batch, mask):
+        from .modeling_nprf import segment_ids_from_inputs
+
+        segment_ids = None
+        if getattr(student.config, "segment_bias", False):
+            segment_ids = segment_ids_from_inputs(student.config, batch["input_ids"], batch.get("token_type_ids"))
+        return _layer_errors(student_layers, student_encoder, recorder, mask, segment_ids)
+
     def evaluate():
         total, count = None, 0
         with torch.no_grad():
             for chunk in eval_sets:
                 batch = _encode(tokenizer, chunk, max_length, device)
                 mask = teacher_pass(batch)
-                errors = _layer_errors(student_layers, student_encoder, recorder, mask) * len(chunk)
+                errors = student_errors(batch, mask) * len(chunk)
                 total = errors if total is None else total + errors
                 count += len(chunk)
         return [float(e) for e in total / count]
@@ -301,7 +309,7 @@ def attention_transfer(
                     position += 1
                 batch = _encode(tokenizer, chunk, max_length, device)
                 mask = teacher_pass(batch)
-                loss = _layer_errors(student_layers, student_encoder, recorder, mask).mean()
+                loss = student_errors(batch, mask).mean()
                 if not torch.isfinite(loss):
                     raise FloatingPointError(
                         f"attention transfer diverged at step {step} (loss {float(loss)}): lower the learning rate"

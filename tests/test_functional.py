@@ -12,7 +12,9 @@ from nprf_hf import functional as Fn
 EXACT = ("dense", "fft", "banded", "auto")
 
 
-def reference_attention(query, key, value, bias, projection, mask=None, causal=False, logit_scale=None):
+def reference_attention(
+    query, key, value, bias, projection, mask=None, causal=False, logit_scale=None, segment_ids=None, segment_bias=None
+):
     """Float64, the formula of the paper written out with explicit n x n matrices; with `logit_scale`
     s [H], q_hat and k_hat are scaled by sqrt(s) before the feature map (kernel exp(s q_hat . k_hat))."""
     q, k, v, bias, projection = (t.double() for t in (query, key, value, bias, projection))
@@ -31,6 +33,9 @@ def reference_attention(query, key, value, bias, projection, mask=None, causal=F
     j = torch.arange(n)[None, :]
     coefficient = torch.exp(bias[:, j - i + n - 1])  # [H, n, n]
     weights = torch.einsum("bhim,bhjm->bhij", phi_q, phi_k) * coefficient
+    if segment_ids is not None:  # exp(b_{j-i} + beta [s_i != s_j])
+        crossing = (segment_ids[:, :, None] != segment_ids[:, None, :]).double()[:, None]
+        weights = weights * torch.exp(segment_bias.double()[:, None, None] * crossing)
     if causal:
         weights = weights * (j <= i)
     if mask is not None:
@@ -221,6 +226,66 @@ def test_logit_scale_matches_reference_with_gradients(algorithm, causal, n, smal
         torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-10)
     implied = Fn.nprf_attention_weights(q, k, bias, projection, mask, causal=causal, logit_scale=scale)
     torch.testing.assert_close(implied @ v, ref, rtol=1e-9, atol=1e-11)
+
+
+def random_segments(batch, n, num_segments=2):
+    """Sentence-pair-like segment ids: a first segment, then the rest (the last row: three segments)."""
+    cuts = torch.randint(0, n + 1, (batch,))
+    ids = (torch.arange(n)[None, :] >= cuts[:, None]).long()
+    if num_segments > 2:
+        ids[-1, n // 2 :] += 1
+    return ids
+
+
+@pytest.mark.parametrize("algorithm", EXACT)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n", [9, 150])
+def test_segment_bias_matches_reference_with_gradients(algorithm, causal, n, small_chunks):
+    """A per-head bias beta for query/key pairs in different segments: values and gradients (q, k, v, beta,
+    the RPE bias) as the reference, with padding, up to three segments, with a logit scale too."""
+    batch, heads, d, m = 3, 2, 8, 6
+    q, k, v, projection = random_inputs(batch, heads, n, d, m)
+    table = torch.randn(heads, 16, dtype=torch.float64, requires_grad=True)
+    beta = torch.tensor([-1.5, 2.0], dtype=torch.float64, requires_grad=True)
+    scale = torch.tensor([1.0, 3.0], dtype=torch.float64)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    bias = Fn.relative_position_bias(table, n, not causal, 16, 40)
+    mask = random_padding(batch, n)
+    segments = random_segments(batch, n, num_segments=3)
+    kwargs = dict(causal=causal, logit_scale=scale, segment_ids=segments, segment_bias=beta)
+    band = Fn.rpe_band_width(16, 40, not causal)
+    out = Fn.nprf_attention(q, k, v, bias, projection, mask, algorithm=algorithm, band_width=band, **kwargs)
+    ref = reference_attention(q, k, v, bias, projection, mask, **kwargs)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-11)
+    plain = reference_attention(q, k, v, bias, projection, mask, causal, logit_scale=scale)
+    assert (out - plain).abs().max() > 1e-3  # the bias matters
+    weights = torch.randn_like(ref)
+    grads = torch.autograd.grad((out * weights).sum(), (q, k, v, beta, table), retain_graph=True)
+    expected = torch.autograd.grad((ref * weights).sum(), (q, k, v, beta, table))
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-10)
+    implied = Fn.nprf_attention_weights(q, k, bias, projection, mask, **kwargs)
+    torch.testing.assert_close(implied @ v, ref, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("algorithm", EXACT)
+def test_zero_segment_bias_gives_todays_numbers(algorithm, small_chunks):
+    q, k, v, projection = random_inputs(2, 3, 120, 8, 6)
+    bias = t5_bias(3, 120, num_buckets=16, max_distance=40)
+    mask = random_padding(2, 120)
+    plain = Fn.nprf_attention(q, k, v, bias, projection, mask, algorithm=algorithm)
+    segmented = Fn.nprf_attention(
+        q, k, v, bias, projection, mask, algorithm=algorithm, segment_ids=random_segments(2, 120),
+        segment_bias=torch.zeros(3, dtype=torch.float64),
+    )
+    torch.testing.assert_close(segmented, plain, rtol=1e-12, atol=1e-14)
+    with pytest.raises(ValueError, match="go together"):
+        Fn.nprf_attention(q, k, v, bias, projection, segment_ids=random_segments(2, 120))
+    with pytest.raises(ValueError, match="segment_bias must be"):
+        Fn.nprf_attention(q, k, v, bias, projection, segment_ids=random_segments(2, 120), segment_bias=torch.zeros(2))
+    with pytest.raises(ValueError, match="segment_ids must be integer"):
+        Fn.nprf_attention(q, k, v, bias, projection, segment_ids=torch.zeros(2, 7, dtype=torch.long), segment_bias=torch.zeros(3))
 
 
 def test_unit_logit_scale_is_the_paper_and_bad_scales_are_refused():

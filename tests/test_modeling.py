@@ -627,3 +627,42 @@ def test_logit_scale_starts_at_one_and_trains(family, tmp_path):
     assert torch.equal(reloaded.encoder.layer[1].attention.self.logit_scale_logit, attention.logit_scale_logit)
     torch.testing.assert_close(reloaded(**inputs).last_hidden_state, scaled(**inputs).last_hidden_state)
     assert "logit_scale_logit" not in " ".join(n for n, _ in plain.named_parameters())
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta"])
+def test_segment_bias_zero_is_todays_model_and_learns(family, tmp_path):
+    """segment_bias=True adds a per-layer, per-head bias for pairs across segments (token_type_ids for
+    BERT, the separators for RoBERTa): at 0 it gives today's outputs, gradients reach it, and the
+    implied attention matrix moves mass across segments as its sign says."""
+    cls = NPRFBertModel if family == "bert" else NPRFRobertaModel
+    plain = cls(tiny_config(family)).eval()
+    model = cls(tiny_config(family, segment_bias=True)).eval()
+    model.load_state_dict(plain.state_dict(), strict=False)
+    randomize_rpe(plain)
+    randomize_rpe(model)
+    input_ids = torch.randint(5, TINY["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(0))
+    token_type_ids = torch.zeros_like(input_ids)
+    token_type_ids[:, 5:] = 1
+    if family == "roberta":  # <s> A </s></s> B </s>: segments come from the separators
+        input_ids[:, 0], input_ids[:, 4], input_ids[:, 5], input_ids[:, 11] = 0, 2, 2, 2
+        token_type_ids = torch.zeros_like(input_ids)
+    inputs = {"input_ids": input_ids, "token_type_ids": token_type_ids, "attention_mask": torch.ones_like(input_ids)}
+    torch.testing.assert_close(model(**inputs).last_hidden_state, plain(**inputs).last_hidden_state)
+    model(**inputs).last_hidden_state.square().sum().backward()
+    assert model.encoder.layer[0].attention.self.cross_segment_bias.grad.abs().min() > 0
+
+    def cross_mass(bias):
+        with torch.no_grad():
+            for layer in model.encoder.layer:
+                layer.attention.self.cross_segment_bias.fill_(bias)
+        weights = model(**inputs, output_attentions=True).attentions[0]  # [B, H, n, n]
+        crossing = torch.zeros(12, 12, dtype=torch.bool)
+        crossing[:5, 5:] = crossing[5:, :5] = True
+        return (weights * crossing).sum(-1).mean().item()
+
+    assert cross_mass(-3.0) < cross_mass(0.0) < cross_mass(3.0)
+    model.save_pretrained(tmp_path)
+    reloaded = cls.from_pretrained(tmp_path).eval()
+    torch.testing.assert_close(reloaded(**inputs).last_hidden_state, model(**inputs).last_hidden_state)
+    with pytest.raises(ValueError, match="decoder"):
+        tiny_config("roberta", segment_bias=True, is_decoder=True)
