@@ -15,6 +15,7 @@ Recipes (`RECIPES`):
 - nprf+scale8: the logit scale alone, no transfer.
 - nprf+scale8+calibrated+transfer: the RPE table starts from the source's attention per distance.
 - nprf+scale8+wikitext-transfer: transfer on generic text (WikiText-2) instead: protocol (a).
+- nprf+scale8+m256+transfer: 256 random features (a less noisy estimate of the scaled kernel).
 - nprf+scale8+segment+transfer: plus a learned bias for query/key pairs in different sentences.
 - hedgehog: protocol (b), as in Hedgehog: the *fine-tuned softmax* model of the same task and seed
   is converted (scale8), transferred on the task's texts, then fine-tuned for one epoch.
@@ -68,6 +69,7 @@ RECIPES = {
     "nprf+scale8": {"nprf": {"logit_scale_max": 8.0}},
     "nprf+scale8+calibrated+transfer": {"nprf": {"logit_scale_max": 8.0, **CALIBRATED}, "transfer": "task"},
     "nprf+scale8+wikitext-transfer": {"nprf": {"logit_scale_max": 8.0}, "transfer": "wikitext"},
+    "nprf+scale8+m256+transfer": {"nprf": {"logit_scale_max": 8.0, "num_random_features": 256}, "transfer": "task"},
     "nprf+scale8+segment+transfer": {"nprf": {"logit_scale_max": 8.0, "segment_bias": True}, "transfer": "task"},
     "hedgehog": {"nprf": {"logit_scale_max": 8.0}, "transfer": "task", "source": "softmax", "epochs": 1},
 }

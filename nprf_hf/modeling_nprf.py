@@ -24,7 +24,12 @@ Design notes:
 - Attention dropout (`attention_probs_dropout_prob`) is not applied: the fast algorithms never
   build an attention matrix to drop from.
 - The RPE table starts at zeros (c_r = 1 for every distance): a converted checkpoint starts as
-  plain normalized random-feature attention and learns its positional bias while fine-tuning.
+  plain normalized random-feature attention and learns its positional bias while fine-tuning (or,
+  better, during attention transfer: `nprf_hf.transfer`).
+- Optional, off by default (each adds a small per-layer parameter of its own):
+  `logit_scale_max` > 1 gives `logit_scale_logit` [H] (s = max * sigmoid, starting at s = 1);
+  `segment_bias=True` gives `cross_segment_bias` [H] (0 at start), fed with the segment ids that the
+  base models derive from token_type_ids (BERT) or the separators (RoBERTa).
 """
 
 import math
