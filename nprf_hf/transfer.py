@@ -242,6 +242,9 @@ def attention_transfer(
     if not texts:
         raise ValueError("attention transfer needs at least one text")
     _check_pair(student, teacher)
+    eval_pool = list(eval_texts) if eval_texts is not None else texts[: batch_size * eval_batches]
+    if not eval_pool:
+        raise ValueError("eval_texts is empty: give texts for the before/after report, or leave it None")
     config = teacher.config
     if getattr(config, "position_embedding_type", "absolute") == "absolute":
         offset = config.pad_token_id + 1 if config.model_type == "roberta" else 0
@@ -266,7 +269,6 @@ def attention_transfer(
         param.requires_grad_(True)
 
     generator = torch.Generator().manual_seed(seed)
-    eval_pool = list(eval_texts) if eval_texts is not None else texts[: batch_size * eval_batches]
     eval_sets = [eval_pool[i : i + batch_size] for i in range(0, len(eval_pool), batch_size)]
     recorder = _TeacherRecorder(teacher_layers)
 

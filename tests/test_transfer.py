@@ -170,6 +170,9 @@ def test_bad_inputs_are_refused(tokenizer):
         nprf_hf.attention_transfer(student, other, tokenizer, TEXTS, show_progress=False)
     with pytest.raises(ValueError, match="max_length=600 exceeds the source's 128 positions"):
         nprf_hf.attention_transfer(student, teacher, tokenizer, TEXTS, max_length=600, show_progress=False)
+    with pytest.raises(ValueError, match="eval_texts is empty"):
+        nprf_hf.attention_transfer(student, teacher, tokenizer, TEXTS, eval_texts=[], show_progress=False)
+    assert all(p.requires_grad for p in student.parameters())  # a refused call changes nothing
     with pytest.raises(ValueError, match="no such file"):
         nprf_hf.read_transfer_texts("/no/such/file.txt")
 
