@@ -17,6 +17,7 @@ Recipes (`RECIPES`):
 - nprf+scale8+wikitext-transfer: transfer on generic text (WikiText-2) instead: protocol (a).
 - nprf+scale8+m256+transfer: 256 random features (a less noisy estimate of the scaled kernel).
 - nprf+scale8+segment+transfer: plus a learned bias for query/key pairs in different sentences.
+- nprf+scale8+segment+match+transfer: plus a learned weight for the same word in the other sentence.
 - hedgehog: protocol (b), as in Hedgehog: the *fine-tuned softmax* model of the same task and seed
   is converted (scale8), transferred on the task's texts, then fine-tuned for one epoch.
 
@@ -71,6 +72,10 @@ RECIPES = {
     "nprf+scale8+wikitext-transfer": {"nprf": {"logit_scale_max": 8.0}, "transfer": "wikitext"},
     "nprf+scale8+m256+transfer": {"nprf": {"logit_scale_max": 8.0, "num_random_features": 256}, "transfer": "task"},
     "nprf+scale8+segment+transfer": {"nprf": {"logit_scale_max": 8.0, "segment_bias": True}, "transfer": "task"},
+    "nprf+scale8+segment+match+transfer": {
+        "nprf": {"logit_scale_max": 8.0, "segment_bias": True, "token_match": True},
+        "transfer": "task",
+    },
     "hedgehog": {"nprf": {"logit_scale_max": 8.0}, "transfer": "task", "source": "softmax", "epochs": 1},
 }
 

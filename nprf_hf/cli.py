@@ -76,6 +76,12 @@ def add_convert_parser(subparsers):
         metavar="true|false",
         help="a learned per-head bias for query/key pairs in different segments of a sentence pair",
     )
+    parser.add_argument(
+        "--token-match",
+        type=_bool,
+        metavar="true|false",
+        help="a learned per-head weight for the same token in the other segment (needs --segment-bias true)",
+    )
     parser.add_argument("--rpe-init", choices=RPE_INITS, default="zeros")
     parser.add_argument("--calibration-text", help="plain text file for --rpe-init calibrated")
     parser.add_argument("--calibration-blocks", type=int, default=32, help="number of calibration blocks")
@@ -119,6 +125,7 @@ CONFIG_OPTIONS = (
     "position_embedding_type",
     "logit_scale_max",
     "segment_bias",
+    "token_match",
 )
 
 

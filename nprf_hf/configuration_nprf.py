@@ -32,6 +32,10 @@ Both configs are the HF ones plus the fields below (defaults and why):
   RoBERTa, which has none, takes the segments from the separator tokens), so that attention can tell
   "same sentence" from "other sentence". Exact and linear-time: one Toeplitz product per segment
   (about 2x for pairs). Off by default: it has not yet earned its place (model_cards/GLUE_RESULTS.md).
+- `token_match` (False, needs `segment_bias`): a learned per-head weight mu >= 0 (per layer,
+  starting at 0) that adds phi(q).phi(k) * mu to the attention weight of a query and a key that are
+  the same token in different segments: exact word matching across the two sentences of a pair,
+  which NPRF's bounded logits cannot learn (benchmarks/pair_attention.py). Linear-time and exact.
 - `output_attentions_max_length` (4096): `output_attentions=True` materializes the implied n x n
   attention matrix per head; beyond this length it raises instead of exhausting memory.
 """
@@ -113,6 +117,10 @@ def validate_nprf_fields(config):
         raise ValueError(f"segment_bias must be True or False, got {config.segment_bias!r}")
     if config.segment_bias and config.is_decoder:
         raise ValueError("segment_bias=True is for encoders reading sentence pairs; a decoder (is_decoder=True) has no segments")
+    if not isinstance(config.token_match, bool):
+        raise ValueError(f"token_match must be True or False, got {config.token_match!r}")
+    if config.token_match and not config.segment_bias:
+        raise ValueError("token_match=True matches tokens across segments: it needs segment_bias=True too")
     if not _is_int(config.output_attentions_max_length) or config.output_attentions_max_length < 1:
         raise ValueError(
             f"output_attentions_max_length must be a positive integer, got {config.output_attentions_max_length!r}"
@@ -148,6 +156,7 @@ class NPRFBertConfig(BertConfig):
     position_embedding_type: str = "absolute"
     logit_scale_max: float = 0.0
     segment_bias: bool = False
+    token_match: bool = False
     output_attentions_max_length: int = 4096
 
     def __post_init__(self, **kwargs):
@@ -177,6 +186,7 @@ class NPRFRobertaConfig(RobertaConfig):
     position_embedding_type: str = "absolute"
     logit_scale_max: float = 0.0
     segment_bias: bool = False
+    token_match: bool = False
     output_attentions_max_length: int = 4096
 
     def __post_init__(self, **kwargs):

@@ -196,6 +196,8 @@ def nprf_attention(
     logit_scale: Optional[torch.Tensor] = None,
     segment_ids: Optional[torch.Tensor] = None,
     segment_bias: Optional[torch.Tensor] = None,
+    token_ids: Optional[torch.Tensor] = None,
+    match_weight: Optional[torch.Tensor] = None,
 ):
     """Normalized positive random feature attention with a relative position bias.
 
@@ -218,12 +220,18 @@ def nprf_attention(
             pair), with `segment_bias` [H]: beta_h is added to the bias of every query/key pair in
             different segments. exp of a sum is a product, so the Toeplitz product splits exactly into
             one product per key segment (cost x number of segments).
+        token_ids: None or [B, n] token ids, with `match_weight` mu [H] >= 0 (and segment_ids): the
+            weight of a query and a key that are the same token in different segments becomes
+            phi_q . phi_k (exp(b_{j-i}) + mu), an exact word-matching term. Linear time: the keys'
+            phi_k u^T are summed per (token, segment) group and each query reads the groups of its own
+            token in the other segments.
     Returns:
         [B, H, n, d_v]. Queries with no key to attend to give zeros.
     """
     batch, heads, n, head_dim = _check_inputs(query, key, value, rpe_bias, projection, key_padding_mask, algorithm)
     _check_logit_scale(logit_scale, heads)
     _check_segments(segment_ids, segment_bias, batch, heads, n)
+    _check_matches(token_ids, match_weight, segment_ids, batch, heads, n, causal)
     dtype = _compute_dtype(query.dtype)
     mask = None if key_padding_mask is None else key_padding_mask.to(device=query.device, dtype=dtype)
 
@@ -246,6 +254,11 @@ def nprf_attention(
         out = toeplitz_product(phi_k)
     else:
         out = _segmented_product(toeplitz_product, phi_k, segment_ids.to(query.device), segment_bias.to(dtype))
+    if token_ids is not None:
+        # the same shifts as c and the segment factors: exp(b) + mu becomes c + mu exp(-max b) exp(-max(beta, 0))
+        weight = match_weight.to(dtype) * torch.exp(-bias.amax(dim=-1).detach()) * _segment_factors(segment_bias.to(dtype))[0]
+        match = _match_product(phi_q, phi_k, _values_and_ones(value), token_ids.to(query.device), segment_ids.to(query.device))
+        out = out + match * weight[:, None, None]
 
     numerator, denominator = out[..., :-1], out[..., -1:]
     valid = denominator != 0  # exact sums are >= 0; NaN stays NaN, so a diverging run is not hidden
@@ -271,6 +284,8 @@ def nprf_attention_weights(
     logit_scale=None,
     segment_ids=None,
     segment_bias=None,
+    token_ids=None,
+    match_weight=None,
 ):
     """The attention matrix implied by `nprf_attention` (same arguments), computed densely.
 
@@ -281,17 +296,24 @@ def nprf_attention_weights(
     batch, heads, n, _ = _check_inputs(query, key, key, rpe_bias, projection, key_padding_mask, "dense")
     _check_logit_scale(logit_scale, heads)
     _check_segments(segment_ids, segment_bias, batch, heads, n)
+    _check_matches(token_ids, match_weight, segment_ids, batch, heads, n, causal)
     dtype = _compute_dtype(query.dtype)
     mask = None if key_padding_mask is None else key_padding_mask.to(device=query.device, dtype=dtype)
     phi_q, phi_k = _features(query, key, projection, mask, dtype, logit_scale)
     bias = _masked_bias(rpe_bias.to(dtype), n, causal)
     c = torch.exp(bias - bias.amax(dim=-1, keepdim=True).detach())
-    weights = (phi_q @ phi_k.transpose(-1, -2)) * _toeplitz(c, n)
+    kernel = phi_q @ phi_k.transpose(-1, -2)
+    weights = kernel * _toeplitz(c, n)
     if segment_ids is not None:
         same, other = _segment_factors(segment_bias.to(dtype))
         segment_ids = segment_ids.to(query.device)
         crossing = (segment_ids[:, :, None] != segment_ids[:, None, :])[:, None]  # [B, 1, n, n]
         weights = weights * torch.where(crossing, other[:, None, None], same[:, None, None])
+    if token_ids is not None:
+        token_ids = token_ids.to(query.device)
+        matches = crossing & (token_ids[:, :, None] == token_ids[:, None, :])[:, None]
+        weight = match_weight.to(dtype) * torch.exp(-bias.amax(dim=-1).detach()) * same
+        weights = weights + kernel * matches * weight[:, None, None]
     total = weights.sum(-1, keepdim=True)
     valid = total > 0
     weights = torch.where(valid, weights / torch.where(valid, total, torch.ones_like(total)), 0.0)
@@ -668,6 +690,37 @@ def _segmented_product(toeplitz_product, phi_k, segment_ids, segment_bias):
         weight = torch.where(in_segment[:, None, :, None], same[:, None, None], other[:, None, None])  # [B, H, n, 1]
         out = part * weight if out is None else out + part * weight
     return out
+
+
+def _match_product(phi_q, phi_k, u, token_ids, segment_ids):
+    """sum over keys j with t_j = t_i and s_j != s_i of (phi_q_i . phi_k_j) u_j: [B, H, n, e]. The keys'
+    states phi_k u^T are summed per (batch, token) and per (batch, segment, token) group; a query reads
+    its token's total minus its own segment's part."""
+    batch, heads, n, m = phi_k.shape
+    e = u.shape[-1]
+    states = (phi_k.unsqueeze(-1) * u.unsqueeze(-2)).transpose(1, 2).reshape(batch * n, heads, m, e)
+    rows = torch.arange(batch, device=token_ids.device)[:, None].expand(batch, n)
+    _, by_token = torch.unique(torch.stack([rows, token_ids]).reshape(2, -1), dim=1, return_inverse=True)
+    _, by_segment = torch.unique(torch.stack([rows, segment_ids, token_ids]).reshape(3, -1), dim=1, return_inverse=True)
+    totals = states.new_zeros(int(by_token.max()) + 1, heads, m, e).index_add(0, by_token, states)
+    parts = states.new_zeros(int(by_segment.max()) + 1, heads, m, e).index_add(0, by_segment, states)
+    others = (totals[by_token] - parts[by_segment]).view(batch, n, heads, m, e)
+    return torch.einsum("bhnm,bnhme->bhne", phi_q, others)
+
+
+def _check_matches(token_ids, match_weight, segment_ids, batch, heads, n, causal):
+    if (token_ids is None) != (match_weight is None):
+        raise ValueError("token_ids and match_weight go together: give both or neither")
+    if token_ids is None:
+        return
+    if segment_ids is None or causal:
+        raise ValueError("the word-matching term needs segment_ids (it matches tokens across segments) and causal=False")
+    if token_ids.shape != (batch, n) or token_ids.is_floating_point():
+        raise ValueError(f"token_ids must be integer [B={batch}, n={n}], got {token_ids.dtype} {tuple(token_ids.shape)}")
+    if match_weight.shape != (heads,):
+        raise ValueError(f"match_weight must be [H={heads}] (one weight per head), got {tuple(match_weight.shape)}")
+    if not torch.compiler.is_compiling() and not bool((match_weight >= 0).all()):
+        raise ValueError("match_weight must be >= 0 (it adds attention weight to matching tokens)")
 
 
 def _check_segments(segment_ids, segment_bias, batch, heads, n):

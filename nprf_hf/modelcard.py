@@ -144,6 +144,7 @@ SETTING_FIELDS = (
     "max_position_embeddings",
     "logit_scale_max",
     "segment_bias",
+    "token_match",
     "output_attentions_max_length",
 )
 # NPRF config field -> `nprf-hf convert` option, for the recipe
@@ -159,6 +160,7 @@ CONVERT_OPTIONS = (
     "position_embedding_type",
     "logit_scale_max",
     "segment_bias",
+    "token_match",
 )
 
 

@@ -29,7 +29,8 @@ Design notes:
 - Optional, off by default (each adds a small per-layer parameter of its own):
   `logit_scale_max` > 1 gives `logit_scale_logit` [H] (s = max * sigmoid, starting at s = 1);
   `segment_bias=True` gives `cross_segment_bias` [H] (0 at start), fed with the segment ids that the
-  base models derive from token_type_ids (BERT) or the separators (RoBERTa).
+  base models derive from token_type_ids (BERT) or the separators (RoBERTa); `token_match=True` gives
+  `token_match_weight` [H] (0 at start), fed with the input ids.
 """
 
 import math
@@ -203,6 +204,11 @@ class NPRFSelfAttention(BertSelfAttention):
             self.cross_segment_bias = nn.Parameter(torch.zeros(self.num_attention_heads))
         else:
             self.cross_segment_bias = None
+        # mu_h >= 0, the weight of the same token in the other segment (0 = no word matching)
+        if config.token_match:
+            self.token_match_weight = nn.Parameter(torch.zeros(self.num_attention_heads))
+        else:
+            self.token_match_weight = None
 
     def logit_scale(self):
         """[H] per-head scale s of the normalized content logits, or None (s = 1, the paper's NPRF)."""
@@ -227,7 +233,14 @@ class NPRFSelfAttention(BertSelfAttention):
         self.projection.copy_(self.draw_projection(draw_index))
 
     def forward(
-        self, hidden_states, attention_mask=None, past_key_values=None, rpe_table=None, segment_ids=None, **kwargs
+        self,
+        hidden_states,
+        attention_mask=None,
+        past_key_values=None,
+        rpe_table=None,
+        segment_ids=None,
+        token_ids=None,
+        **kwargs,
     ):
         """
         Args:
@@ -238,6 +251,7 @@ class NPRFSelfAttention(BertSelfAttention):
             rpe_table: [H, rpe_num_buckets], the shared table (when this module has none).
             segment_ids: [B, L] segment of every token (`segment_ids_from_inputs`), used with
                 `config.segment_bias`; None = one segment.
+            token_ids: [B, L] input ids, used with `config.token_match`.
         Returns:
             (attn_output [B, Lq, hidden], attn_weights [B, H, Lq, Lk] or None).
         """
@@ -274,6 +288,8 @@ class NPRFSelfAttention(BertSelfAttention):
         segments = {}
         if self.cross_segment_bias is not None and segment_ids is not None:
             segments = {"segment_ids": segment_ids, "segment_bias": self.cross_segment_bias}
+            if self.token_match_weight is not None and token_ids is not None:
+                segments.update(token_ids=token_ids, match_weight=self.token_match_weight.clamp_min(0.0))
         output_attentions = kwargs.get("output_attentions")
         if output_attentions is None:
             output_attentions = getattr(self.config, "output_attentions", False)
@@ -492,6 +508,8 @@ def _init_nprf_weights(module):
             init.constant_(module.logit_scale_logit, _unit_scale_logit(module.config))
         if module.cross_segment_bias is not None:
             init.zeros_(module.cross_segment_bias)
+        if module.token_match_weight is not None:
+            init.zeros_(module.token_match_weight)
     elif isinstance(module, NPRFEncoder):
         if module.rpe_table is not None:
             init.zeros_(module.rpe_table)
@@ -514,6 +532,8 @@ def _forward_with_segments(model_class):
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, **kwargs):
         if self.config.segment_bias and kwargs.get("segment_ids") is None:
             kwargs["segment_ids"] = segment_ids_from_inputs(self.config, input_ids, token_type_ids)
+        if self.config.token_match and kwargs.get("token_ids") is None:
+            kwargs["token_ids"] = input_ids
         return model_class.forward(
             self, input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, **kwargs
         )

@@ -30,11 +30,11 @@ import torch
 Text = Union[str, Tuple[str, str]]
 
 # Parameter names (relative to a layer's `attention.self`) that the transfer trains by default.
-ATTENTION_PARAMETERS = ("query.", "key.", "rpe_table", "logit_scale_logit", "cross_segment_bias")
+ATTENTION_PARAMETERS = ("query.", "key.", "rpe_table", "logit_scale_logit", "cross_segment_bias", "token_match_weight")
 VALUE_OUTPUT_PARAMETERS = ("value.",)
 # The RPE tables and logit scales are biases in logit units, far from where they must go (a zero table,
 # s = 1): Adam moves a parameter by about its rate per step, so they get a rate of their own.
-TABLE_PARAMETERS = ("rpe_table", "logit_scale_logit", "cross_segment_bias")
+TABLE_PARAMETERS = ("rpe_table", "logit_scale_logit", "cross_segment_bias", "token_match_weight")
 
 
 @dataclass
@@ -167,13 +167,15 @@ def _encode(tokenizer, texts, max_length, device):
     return {k: v.to(device) for k, v in batch.items() if k in keep}
 
 
-def _layer_errors(student_layers, student_encoder, recorder, mask, segment_ids=None):
+def _layer_errors(student_layers, student_encoder, recorder, mask, segment_ids=None, token_ids=None):
     """[L] relative squared error of each student layer's attention output (teacher inputs), real tokens only."""
     weight = mask.to(recorder.outputs[0].dtype)[..., None]
     shared_table = getattr(student_encoder, "rpe_table", None)
     errors = []
     for layer, hidden, target in zip(student_layers, recorder.inputs, recorder.outputs):
-        context, _ = layer.attention.self(hidden, attention_mask=mask, rpe_table=shared_table, segment_ids=segment_ids)
+        context, _ = layer.attention.self(
+            hidden, attention_mask=mask, rpe_table=shared_table, segment_ids=segment_ids, token_ids=token_ids
+        )
         output = layer.attention.output.dense(context)
         numerator = ((output - target).square() * weight).sum()
         denominator = (target.square() * weight).sum().clamp_min(1e-12)
@@ -280,10 +282,12 @@ def attention_transfer(
     def student_errors(batch, mask):
         from .modeling_nprf import segment_ids_from_inputs
 
-        segment_ids = None
+        segment_ids = token_ids = None
         if getattr(student.config, "segment_bias", False):
             segment_ids = segment_ids_from_inputs(student.config, batch["input_ids"], batch.get("token_type_ids"))
-        return _layer_errors(student_layers, student_encoder, recorder, mask, segment_ids)
+        if getattr(student.config, "token_match", False):
+            token_ids = batch["input_ids"]
+        return _layer_errors(student_layers, student_encoder, recorder, mask, segment_ids, token_ids)
 
     def evaluate():
         total, count = None, 0

@@ -13,7 +13,8 @@ EXACT = ("dense", "fft", "banded", "auto")
 
 
 def reference_attention(
-    query, key, value, bias, projection, mask=None, causal=False, logit_scale=None, segment_ids=None, segment_bias=None
+    query, key, value, bias, projection, mask=None, causal=False, logit_scale=None, segment_ids=None, segment_bias=None,
+    token_ids=None, match_weight=None,
 ):
     """Float64, the formula of the paper written out with explicit n x n matrices; with `logit_scale`
     s [H], q_hat and k_hat are scaled by sqrt(s) before the feature map (kernel exp(s q_hat . k_hat))."""
@@ -32,10 +33,14 @@ def reference_attention(
     i = torch.arange(n)[:, None]
     j = torch.arange(n)[None, :]
     coefficient = torch.exp(bias[:, j - i + n - 1])  # [H, n, n]
-    weights = torch.einsum("bhim,bhjm->bhij", phi_q, phi_k) * coefficient
+    kernel = torch.einsum("bhim,bhjm->bhij", phi_q, phi_k)
+    weights = kernel * coefficient
     if segment_ids is not None:  # exp(b_{j-i} + beta [s_i != s_j])
         crossing = (segment_ids[:, :, None] != segment_ids[:, None, :]).double()[:, None]
         weights = weights * torch.exp(segment_bias.double()[:, None, None] * crossing)
+    if token_ids is not None:  # + mu [t_i = t_j, s_i != s_j]
+        matches = crossing * (token_ids[:, :, None] == token_ids[:, None, :]).double()[:, None]
+        weights = weights + kernel * match_weight.double()[:, None, None] * matches
     if causal:
         weights = weights * (j <= i)
     if mask is not None:
@@ -267,6 +272,44 @@ def test_segment_bias_matches_reference_with_gradients(algorithm, causal, n, sma
         torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-10)
     implied = Fn.nprf_attention_weights(q, k, bias, projection, mask, **kwargs)
     torch.testing.assert_close(implied @ v, ref, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("algorithm", EXACT)
+@pytest.mark.parametrize("n", [9, 150])
+def test_word_matching_term_matches_reference_with_gradients(algorithm, n, small_chunks):
+    """mu [t_i = t_j, s_i != s_j] added to the kernel weight: values and gradients (q, k, v, mu, beta)
+    as the reference, with padding, three segments and repeated tokens."""
+    batch, heads, d, m = 3, 2, 8, 6
+    q, k, v, projection = random_inputs(batch, heads, n, d, m)
+    mu = torch.tensor([0.0, 2.5], dtype=torch.float64, requires_grad=True)
+    beta = torch.tensor([0.5, -1.0], dtype=torch.float64, requires_grad=True)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    bias = t5_bias(heads, n, num_buckets=16, max_distance=40)
+    mask = random_padding(batch, n)
+    segments = random_segments(batch, n, num_segments=3)
+    tokens = torch.randint(0, 5, (batch, n))  # few distinct tokens: many matches
+    kwargs = dict(segment_ids=segments, segment_bias=beta, token_ids=tokens, match_weight=mu)
+    out = Fn.nprf_attention(q, k, v, bias, projection, mask, algorithm=algorithm, **kwargs)
+    ref = reference_attention(q, k, v, bias, projection, mask, **kwargs)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-11)
+    unmatched = reference_attention(q, k, v, bias, projection, mask, segment_ids=segments, segment_bias=beta)
+    assert (out - unmatched).abs().max() > 1e-3
+    weights = torch.randn_like(ref)
+    grads = torch.autograd.grad((out * weights).sum(), (q, k, v, mu, beta))
+    expected = torch.autograd.grad((ref * weights).sum(), (q, k, v, mu, beta))
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-10)
+    implied = Fn.nprf_attention_weights(q, k, bias, projection, mask, **kwargs)
+    torch.testing.assert_close(implied @ v, ref, rtol=1e-9, atol=1e-11)
+    zero = Fn.nprf_attention(q, k, v, bias, projection, mask, algorithm=algorithm, segment_ids=segments,
+                             segment_bias=beta, token_ids=tokens, match_weight=torch.zeros(2, dtype=torch.float64))
+    torch.testing.assert_close(zero, unmatched, rtol=1e-9, atol=1e-11)
+    with pytest.raises(ValueError, match="needs segment_ids"):
+        Fn.nprf_attention(q, k, v, bias, projection, token_ids=tokens, match_weight=mu)
+    with pytest.raises(ValueError, match=">= 0"):
+        Fn.nprf_attention(q, k, v, bias, projection, token_ids=tokens, match_weight=-mu - 1, segment_ids=segments,
+                          segment_bias=beta)
 
 
 @pytest.mark.parametrize("algorithm", EXACT)

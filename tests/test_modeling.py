@@ -666,3 +666,31 @@ def test_segment_bias_zero_is_todays_model_and_learns(family, tmp_path):
     torch.testing.assert_close(reloaded(**inputs).last_hidden_state, model(**inputs).last_hidden_state)
     with pytest.raises(ValueError, match="decoder"):
         tiny_config("roberta", segment_bias=True, is_decoder=True)
+
+
+def test_token_match_starts_off_learns_and_raises_word_matching():
+    """token_match=True adds a per-layer, per-head weight for the same token in the other segment: 0 at
+    start (the segment-bias model's outputs), gradients reach it, and a positive weight moves attention
+    onto the matching words of the other sentence."""
+    plain = NPRFBertModel(tiny_config("bert", segment_bias=True)).eval()
+    model = NPRFBertModel(tiny_config("bert", segment_bias=True, token_match=True)).eval()
+    model.load_state_dict(plain.state_dict(), strict=False)
+    input_ids = torch.randint(5, 9, (2, 12), generator=torch.Generator().manual_seed(0))  # few ids: many matches
+    token_type_ids = torch.zeros_like(input_ids)
+    token_type_ids[:, 6:] = 1
+    inputs = {"input_ids": input_ids, "token_type_ids": token_type_ids, "attention_mask": torch.ones_like(input_ids)}
+    torch.testing.assert_close(model(**inputs).last_hidden_state, plain(**inputs).last_hidden_state)
+    model(**inputs).last_hidden_state.square().sum().backward()
+    assert model.encoder.layer[0].attention.self.token_match_weight.grad.abs().min() > 0
+    crossing = token_type_ids[:, :, None] != token_type_ids[:, None, :]
+    matches = (crossing & (input_ids[:, :, None] == input_ids[:, None, :]))[:, None]
+
+    def match_mass(weight):
+        with torch.no_grad():
+            for layer in model.encoder.layer:
+                layer.attention.self.token_match_weight.fill_(weight)
+        return (model(**inputs, output_attentions=True).attentions[0] * matches).sum(-1).mean().item()
+
+    assert match_mass(0.0) < match_mass(5.0)
+    with pytest.raises(ValueError, match="needs segment_bias=True"):
+        tiny_config("bert", token_match=True)
