@@ -257,7 +257,9 @@ def nprf_attention(
     if token_ids is not None:
         # the same shifts as c and the segment factors: exp(b) + mu becomes c + mu exp(-max b) exp(-max(beta, 0))
         weight = match_weight.to(dtype) * torch.exp(-bias.amax(dim=-1).detach()) * _segment_factors(segment_bias.to(dtype))[0]
-        match = _match_product(phi_q, phi_k, _values_and_ones(value), token_ids.to(query.device), segment_ids.to(query.device))
+        match = _match_product(
+            phi_q, phi_k, _values_and_ones(value), token_ids.to(query.device), segment_ids.to(query.device), algorithm
+        )
         out = out + match * weight[:, None, None]
 
     numerator, denominator = out[..., :-1], out[..., -1:]
@@ -692,10 +694,14 @@ def _segmented_product(toeplitz_product, phi_k, segment_ids, segment_bias):
     return out
 
 
-def _match_product(phi_q, phi_k, u, token_ids, segment_ids):
-    """sum over keys j with t_j = t_i and s_j != s_i of (phi_q_i . phi_k_j) u_j: [B, H, n, e]. The keys'
-    states phi_k u^T are summed per (batch, token) and per (batch, segment, token) group; a query reads
-    its token's total minus its own segment's part."""
+def _match_product(phi_q, phi_k, u, token_ids, segment_ids, algorithm="banded"):
+    """sum over keys j with t_j = t_i and s_j != s_i of (phi_q_i . phi_k_j) u_j: [B, H, n, e]. Where the
+    attention itself is dense (short inputs), the n x n match mask is cheapest; otherwise the keys' states
+    phi_k u^T are summed per (batch, token) and per (batch, segment, token) group (linear in n) and a
+    query reads its token's total minus its own segment's part."""
+    if algorithm == "dense":
+        matches = (token_ids[:, :, None] == token_ids[:, None, :]) & (segment_ids[:, :, None] != segment_ids[:, None, :])
+        return ((phi_q @ phi_k.transpose(-1, -2)) * matches[:, None].to(phi_q.dtype)) @ u
     batch, heads, n, m = phi_k.shape
     e = u.shape[-1]
     states = (phi_k.unsqueeze(-1) * u.unsqueeze(-2)).transpose(1, 2).reshape(batch * n, heads, m, e)
