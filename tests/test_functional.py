@@ -234,8 +234,10 @@ def test_logit_scale_matches_reference_with_gradients(algorithm, causal, n, smal
 
 
 def random_segments(batch, n, num_segments=2):
-    """Sentence-pair-like segment ids: a first segment, then the rest (the last row: three segments)."""
+    """Sentence-pair-like segment ids: a first segment, then the rest (the last row: three segments).
+    Row 0, which `random_padding` never pads, always has both segments, so cross-segment pairs exist."""
     cuts = torch.randint(0, n + 1, (batch,))
+    cuts[0] = n // 2
     ids = (torch.arange(n)[None, :] >= cuts[:, None]).long()
     if num_segments > 2:
         ids[-1, n // 2 :] += 1
