@@ -255,12 +255,9 @@ def nprf_attention(
     else:
         out = _segmented_product(toeplitz_product, phi_k, segment_ids.to(query.device), segment_bias.to(dtype))
     if token_ids is not None:
-        # the same shifts as c and the segment factors: exp(b) + mu becomes c + mu exp(-max b) exp(-max(beta, 0))
-        weight = match_weight.to(dtype) * torch.exp(-bias.amax(dim=-1).detach()) * _segment_factors(segment_bias.to(dtype))[0]
-        match = _match_product(
-            phi_q, phi_k, _values_and_ones(value), token_ids.to(query.device), segment_ids.to(query.device), algorithm
-        )
-        out = out + match * weight[:, None, None]
+        u = _values_and_ones(value) if u is None else u
+        match = _match_product(phi_q, phi_k, u, token_ids.to(query.device), segment_ids.to(query.device), algorithm)
+        out = out + match * _match_scale(match_weight.to(dtype), bias, segment_bias.to(dtype))[:, None, None]
 
     numerator, denominator = out[..., :-1], out[..., -1:]
     valid = denominator != 0  # exact sums are >= 0; NaN stays NaN, so a diverging run is not hidden
@@ -312,10 +309,8 @@ def nprf_attention_weights(
         crossing = (segment_ids[:, :, None] != segment_ids[:, None, :])[:, None]  # [B, 1, n, n]
         weights = weights * torch.where(crossing, other[:, None, None], same[:, None, None])
     if token_ids is not None:
-        token_ids = token_ids.to(query.device)
-        matches = crossing & (token_ids[:, :, None] == token_ids[:, None, :])[:, None]
-        weight = match_weight.to(dtype) * torch.exp(-bias.amax(dim=-1).detach()) * same
-        weights = weights + kernel * matches * weight[:, None, None]
+        matches = _token_matches(token_ids.to(query.device), segment_ids)[:, None]
+        weights = weights + kernel * matches * _match_scale(match_weight.to(dtype), bias, segment_bias.to(dtype))[:, None, None]
     total = weights.sum(-1, keepdim=True)
     valid = total > 0
     weights = torch.where(valid, weights / torch.where(valid, total, torch.ones_like(total)), 0.0)
@@ -700,8 +695,8 @@ def _match_product(phi_q, phi_k, u, token_ids, segment_ids, algorithm="banded"):
     phi_k u^T are summed per (batch, token) and per (batch, segment, token) group (linear in n) and a
     query reads its token's total minus its own segment's part."""
     if algorithm == "dense":
-        matches = (token_ids[:, :, None] == token_ids[:, None, :]) & (segment_ids[:, :, None] != segment_ids[:, None, :])
-        return ((phi_q @ phi_k.transpose(-1, -2)) * matches[:, None].to(phi_q.dtype)) @ u
+        matches = _token_matches(token_ids, segment_ids)[:, None].to(phi_q.dtype)
+        return ((phi_q @ phi_k.transpose(-1, -2)) * matches) @ u
     batch, heads, n, m = phi_k.shape
     e = u.shape[-1]
     states = (phi_k.unsqueeze(-1) * u.unsqueeze(-2)).transpose(1, 2).reshape(batch * n, heads, m, e)
@@ -712,6 +707,17 @@ def _match_product(phi_q, phi_k, u, token_ids, segment_ids, algorithm="banded"):
     parts = states.new_zeros(int(by_segment.max()) + 1, heads, m, e).index_add(0, by_segment, states)
     others = (totals[by_token] - parts[by_segment]).view(batch, n, heads, m, e)
     return torch.einsum("bhnm,bnhme->bhne", phi_q, others)
+
+
+def _token_matches(token_ids, segment_ids):
+    """[B, n, n] bool: key j is query i's token in another segment."""
+    return (token_ids[:, :, None] == token_ids[:, None, :]) & (segment_ids[:, :, None] != segment_ids[:, None, :])
+
+
+def _match_scale(match_weight, bias, segment_bias):
+    """mu [H] under the shifts of c (exp(-max b)) and of the segment factors (exp(-max(beta, 0))), so that
+    exp(b + beta [s_i != s_j]) + mu keeps its ratios after both."""
+    return match_weight * torch.exp(-bias.amax(dim=-1).detach()) * _segment_factors(segment_bias)[0]
 
 
 def _check_matches(token_ids, match_weight, segment_ids, batch, heads, n, causal):
