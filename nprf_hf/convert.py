@@ -353,6 +353,8 @@ def _convert(
     calibration_blocks: int = 32,
     calibration_block_size: int = 128,
     from_pretrained_kwargs: Optional[dict] = None,
+    transfer_texts: Optional[Sequence] = None,
+    transfer_options: Optional[dict] = None,
     **config_overrides,
 ):
     if rpe_init not in RPE_INITS:
@@ -373,6 +375,8 @@ def _convert(
         raise ValueError("head='causal-lm' exists only for RoBERTa")
     if rpe_init == "calibrated" and tokenizer is None:
         raise ValueError("rpe_init='calibrated' needs the source tokenizer: pass tokenizer=")
+    if transfer_texts is not None and tokenizer is None:
+        raise ValueError("attention transfer needs the source tokenizer: pass tokenizer=")
 
     config = build_nprf_config(source_config, **config_overrides)
     prefix, _, modeling = _nprf_classes(model_type)
@@ -447,18 +451,14 @@ def _convert(
                 bias = bias.t()
             param.copy_(bias.to(param.dtype))
 
+    if transfer_texts is not None:
+        from .transfer import attention_transfer
+
+        report.transfer = attention_transfer(target, source, tokenizer, transfer_texts, **(transfer_options or {}))
+
     if tokenizer is not None and "max_position_embeddings" in config_overrides:
         tokenizer.model_max_length = config.max_position_embeddings - _position_offset(config)
-    return target, tokenizer, report, source
-
-
-def _transfer(target, source, tokenizer, report, transfer_texts, transfer_options):
-    """Attention transfer from the softmax `source` into `target` (in place), recorded in `report`."""
-    from .transfer import attention_transfer
-
-    if tokenizer is None:
-        raise ValueError("attention transfer needs the source tokenizer: pass tokenizer=")
-    report.transfer = attention_transfer(target, source, tokenizer, transfer_texts, **(transfer_options or {}))
+    return target, tokenizer, report
 
 
 def _align_prefix(source_state, source, target):
@@ -511,13 +511,12 @@ def convert_to_nprf(
     None = no transfer.
     Returns the NPRF model in eval mode (and a `ConversionReport` if `return_report`).
     """
-    model, tokenizer, report, source = _convert(
+    model, _, report = _convert(
         model_or_path, tokenizer=tokenizer, head=head, rpe_init=rpe_init, calibration_text=calibration_text,
         calibration_blocks=calibration_blocks, calibration_block_size=calibration_block_size,
-        from_pretrained_kwargs=from_pretrained_kwargs, **config_overrides,
+        from_pretrained_kwargs=from_pretrained_kwargs, transfer_texts=transfer_texts,
+        transfer_options=transfer_options, **config_overrides,
     )
-    if transfer_texts is not None:
-        _transfer(model, source, tokenizer, report, transfer_texts, transfer_options)
     logger.info(report.format())
     return (model, report) if return_report else model
 
@@ -525,10 +524,7 @@ def convert_to_nprf(
 def convert_checkpoint(src, out_dir, *, tokenizer=None, **kwargs) -> ConversionReport:
     """Convert `src` (model, local dir or Hub id) and save the NPRF model (safetensors + remote code)
     and the tokenizer, if there is one, to `out_dir`. kwargs as in `convert_to_nprf`."""
-    transfer_texts, transfer_options = kwargs.pop("transfer_texts", None), kwargs.pop("transfer_options", None)
-    model, tokenizer, report, source = _convert(src, tokenizer=tokenizer, **kwargs)
-    if transfer_texts is not None:
-        _transfer(model, source, tokenizer, report, transfer_texts, transfer_options)
+    model, tokenizer, report = _convert(src, tokenizer=tokenizer, **kwargs)
     model.save_pretrained(out_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
