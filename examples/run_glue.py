@@ -175,12 +175,7 @@ def load_model_and_tokenizer(model_args, num_labels, task_name):
         ignore_mismatched_sizes=model_args.ignore_mismatched_sizes,
         **hub_kwargs,
     )
-    glue.check_conversion_flags(
-        model_args.convert_to_nprf,
-        nprf_config=model_args.nprf_config,
-        attention_transfer_steps=model_args.attention_transfer_steps,
-        attention_transfer_text=model_args.attention_transfer_text,
-    )
+    glue.check_conversion_flags(model_args)
     return model, tokenizer
 
 
@@ -243,25 +238,22 @@ def main(argv=None):
     raw_datasets = type(raw_datasets)({s: glue.take_first(raw_datasets[s], max_samples[s]) for s in needed})
 
     if model_args.convert_to_nprf:  # after the cut: the transfer reads the rows the run trains on
-        model, transfer_report = glue.convert_and_transfer(
+        main_process = training_args.process_index == 0
+        model = glue.convert_and_transfer(
             model,
             tokenizer,
-            nprf_config=model_args.nprf_config,
-            transfer_steps=model_args.attention_transfer_steps,
-            transfer_text=model_args.attention_transfer_text,
-            train_texts=glue.training_texts(raw_datasets["train"], info) if "train" in raw_datasets else None,
-            transfer_options={
-                "batch_size": model_args.attention_transfer_batch_size,
-                "learning_rate": model_args.attention_transfer_learning_rate,
-                "max_length": data_args.max_seq_length,
-                "seed": training_args.seed,
-            },
-            show_progress=training_args.process_index == 0 and not training_args.disable_tqdm,
+            model_args,
+            train_texts=(
+                glue.training_texts(raw_datasets["train"], info.sentence1_key, info.sentence2_key)
+                if "train" in raw_datasets
+                else None
+            ),
+            max_length=data_args.max_seq_length,
+            seed=training_args.seed,
+            show_progress=main_process and not training_args.disable_tqdm,
+            main_process=main_process,
+            output_dir=training_args.output_dir,
         )
-        logger.info("Converted to %s", type(model).__name__)
-        if transfer_report is not None and training_args.process_index == 0:
-            logger.warning(transfer_report.format())
-            glue.save_transfer_report(transfer_report, training_args.output_dir)
 
     with training_args.main_process_first(desc="dataset map pre-processing"):
         datasets = glue.tokenize_glue(

@@ -231,12 +231,7 @@ def main(argv=None):
         ignore_mismatched_sizes=args.ignore_mismatched_sizes,
         trust_remote_code=args.trust_remote_code,
     )
-    glue.check_conversion_flags(
-        args.convert_to_nprf,
-        nprf_config=args.nprf_config,
-        attention_transfer_steps=args.attention_transfer_steps,
-        attention_transfer_text=args.attention_transfer_text,
-    )
+    glue.check_conversion_flags(args)
 
     label_to_id, label2id = glue.resolve_label_ids(info, getattr(model.config, "label2id", None))
     if label2id is not None:
@@ -246,26 +241,17 @@ def main(argv=None):
     max_samples = {"train": args.max_train_samples, **{s: args.max_eval_samples for s in info.eval_splits}}
     raw_datasets = type(raw_datasets)({s: glue.take_first(raw_datasets[s], n) for s, n in max_samples.items()})
     if args.convert_to_nprf:  # after the cut: the transfer reads the rows the run trains on
-        model, transfer_report = glue.convert_and_transfer(
+        model = glue.convert_and_transfer(
             model,
             tokenizer,
-            nprf_config=args.nprf_config,
-            transfer_steps=args.attention_transfer_steps,
-            transfer_text=args.attention_transfer_text,
-            train_texts=glue.training_texts(raw_datasets["train"], info),
-            transfer_options={
-                "batch_size": args.attention_transfer_batch_size,
-                "learning_rate": args.attention_transfer_learning_rate,
-                "max_length": args.max_seq_length,
-                "seed": args.seed,
-            },
+            args,
+            train_texts=glue.training_texts(raw_datasets["train"], info.sentence1_key, info.sentence2_key),
+            max_length=args.max_seq_length,
+            seed=args.seed,
             show_progress=accelerator.is_local_main_process,
+            main_process=accelerator.is_main_process,
+            output_dir=args.output_dir,
         )
-        logger.info(f"Converted to {type(model).__name__}")
-        if transfer_report is not None and accelerator.is_main_process:
-            logger.info(transfer_report.format())
-            if args.output_dir is not None:
-                glue.save_transfer_report(transfer_report, args.output_dir)
     with accelerator.main_process_first():
         processed = glue.tokenize_glue(
             raw_datasets,

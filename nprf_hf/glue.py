@@ -573,64 +573,78 @@ def set_rpe_learning_rate(optimizer, model, learning_rate: float):
     return rpe
 
 
-def training_texts(dataset, info: GlueTaskInfo) -> list:
-    """The texts of a raw split as attention transfer takes them: strings, or (first, second) pairs."""
-    first = list(dataset[info.sentence1_key])
-    if info.sentence2_key is None:
+def training_texts(columns, sentence1_key: str, sentence2_key: Optional[str]) -> list:
+    """The texts of a raw split (a Dataset or a dict of columns) as attention transfer takes them:
+    strings, or (first, second) pairs."""
+    first = list(columns[sentence1_key])
+    if sentence2_key is None:
         return first
-    return list(zip(first, dataset[info.sentence2_key]))
+    return list(zip(first, columns[sentence2_key]))
 
 
-def check_conversion_flags(convert_to_nprf: bool, **flags):
-    """A ValueError naming the first of `flags` (option name -> value) that is set without --convert_to_nprf."""
-    if convert_to_nprf:
+# The conversion options both GLUE scripts declare (as attributes of their parsed arguments).
+CONVERSION_OPTIONS = ("nprf_config", "attention_transfer_steps", "attention_transfer_text")
+
+
+def check_conversion_flags(args):
+    """A ValueError naming the first conversion option of `args` that is set without --convert_to_nprf."""
+    if args.convert_to_nprf:
         return
-    for name, value in flags.items():
-        if value:
+    for name in CONVERSION_OPTIONS:
+        if getattr(args, name):
             raise ValueError(f"--{name} is only used with --convert_to_nprf")
 
 
 def convert_and_transfer(
     model,
     tokenizer,
-    nprf_config: Optional[str] = None,
-    transfer_steps: int = 0,
-    transfer_text: Optional[str] = None,
+    args,
     train_texts: Optional[list] = None,
-    transfer_options: Optional[dict] = None,
+    max_length: int = 128,
+    seed: int = 0,
     show_progress: bool = True,
+    main_process: bool = True,
+    output_dir: Optional[str] = None,
 ):
-    """What `--convert_to_nprf` does in both GLUE scripts: convert `model` (with the JSON `nprf_config` of
-    convert_to_nprf arguments), then, if `transfer_steps > 0`, run attention transfer from the softmax
-    model on `transfer_text` (a text file or GLUE task folder) or else on `train_texts` (the task's own
-    training texts, as Hedgehog does). Returns (NPRF model, TransferReport or None)."""
+    """What `--convert_to_nprf` does in both GLUE scripts, from their parsed `args` (`nprf_config`,
+    `attention_transfer_*`): convert `model` (with the JSON `nprf_config` of convert_to_nprf arguments),
+    then, if `attention_transfer_steps > 0`, run attention transfer from the softmax model on
+    `attention_transfer_text` (a text file or GLUE task folder) or else on `train_texts` (the task's own
+    training texts, as Hedgehog does); the main process logs its report and saves it as
+    `attention_transfer.json` in `output_dir` (if given). Returns the NPRF model."""
     import json
 
     import nprf_hf
 
-    overrides = json.loads(nprf_config) if nprf_config else {}
+    overrides = json.loads(args.nprf_config) if args.nprf_config else {}
     if not isinstance(overrides, dict):
-        raise ValueError(f"--nprf_config must be a JSON object, got {nprf_config!r}")
+        raise ValueError(f"--nprf_config must be a JSON object, got {args.nprf_config!r}")
     student = nprf_hf.convert_to_nprf(model, tokenizer=tokenizer, **overrides)
-    if transfer_steps <= 0:
-        if transfer_text is not None:
+    logger.info("Converted to %s", type(student).__name__)
+    if args.attention_transfer_steps <= 0:
+        if args.attention_transfer_text is not None:
             raise ValueError("--attention_transfer_text needs --attention_transfer_steps N (N > 0)")
-        return student, None
-    texts = nprf_hf.read_transfer_texts(transfer_text) if transfer_text is not None else train_texts
+        return student
+    text = args.attention_transfer_text
+    texts = nprf_hf.read_transfer_texts(text) if text is not None else train_texts
     if not texts:
         raise ValueError("attention transfer needs texts: give --attention_transfer_text or a training split")
     report = nprf_hf.attention_transfer(
-        student, model, tokenizer, texts, steps=transfer_steps, show_progress=show_progress, **(transfer_options or {})
+        student,
+        model,
+        tokenizer,
+        texts,
+        steps=args.attention_transfer_steps,
+        batch_size=args.attention_transfer_batch_size,
+        learning_rate=args.attention_transfer_learning_rate,
+        max_length=max_length,
+        seed=seed,
+        show_progress=show_progress,
     )
-    return student, report
-
-
-def save_transfer_report(report, output_dir: str) -> str:
-    """Write a TransferReport as `attention_transfer.json` in `output_dir`; returns the path."""
-    import json
-
-    os.makedirs(output_dir, exist_ok=True)
-    path = os.path.join(output_dir, "attention_transfer.json")
-    with open(path, "w") as handle:
-        json.dump(report.to_dict(), handle, indent=2)
-    return path
+    if main_process:
+        logger.warning(report.format())
+    if main_process and output_dir is not None:
+        os.makedirs(output_dir, exist_ok=True)
+        with open(os.path.join(output_dir, "attention_transfer.json"), "w") as handle:
+            json.dump(report.to_dict(), handle, indent=2)
+    return student

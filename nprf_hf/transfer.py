@@ -89,11 +89,7 @@ def read_transfer_texts(path: str, task_name: Optional[str] = None) -> List[Text
         files = glue.glue_dir_files(path, task_name)
         if "train" not in files:
             raise ValueError(f"{path} has no train.tsv for task {task_name}")
-        columns = glue.read_glue_tsv(files["train"], task_name)
-        first, second = glue.TASK_TO_KEYS[task_name]
-        if second is None:
-            return list(columns[first])
-        return list(zip(columns[first], columns[second]))
+        return glue.training_texts(glue.read_glue_tsv(files["train"], task_name), *glue.TASK_TO_KEYS[task_name])
     if not os.path.isfile(path):
         raise ValueError(f"no such file or directory: {path} (give a plain text file or a GLUE task folder)")
     with open(path, encoding="utf-8") as handle:
