@@ -43,11 +43,10 @@ from transformers import (
 )
 from transformers.trainer_utils import get_last_checkpoint
 
+from nprf_hf.families import position_offset
+
 
 logger = logging.getLogger(__name__)
-
-NPRF_MODEL_TYPES = {"nprf_bert": "NPRFBertForMaskedLM", "nprf_roberta": "NPRFRobertaForMaskedLM"}
-
 
 @dataclass
 class ModelArguments:
@@ -82,8 +81,13 @@ class DataArguments:
 def load_model(model_args, tokenizer):
     """The masked-LM model: an NPRF dir (fresh MLM head if it has none), a softmax checkpoint
     (optionally converted in-process), or a fresh model from `config_name`."""
-    from nprf_hf import modeling_nprf
+    from nprf_hf.configuration_nprf import NPRF_FIELDS
     from nprf_hf.convert import convert_to_nprf
+    from nprf_hf.families import NPRF_FAMILIES
+    from nprf_hf.modeling_nprf import NPRF_MODEL_CLASSES
+
+    def masked_lm_class(model_type):
+        return NPRF_MODEL_CLASSES[NPRF_FAMILIES[model_type].model_type]["masked-lm"]
 
     kwargs = {"trust_remote_code": model_args.trust_remote_code}
     if model_args.model_name_or_path is None:
@@ -91,31 +95,21 @@ def load_model(model_args, tokenizer):
             raise ValueError("pass --model_name_or_path or --config_name")
         config = _load_config(model_args.config_name, **kwargs)
         model_type = config.model_type
-        if model_type in NPRF_MODEL_TYPES:
-            return getattr(modeling_nprf, NPRF_MODEL_TYPES[model_type])(config)
+        if model_type in NPRF_FAMILIES:
+            return masked_lm_class(model_type)(config)
         model = AutoModelForMaskedLM.from_config(config, **kwargs)
     else:
         path = model_args.model_name_or_path
         model_type = _load_config(path, **kwargs).model_type
-        if model_type in NPRF_MODEL_TYPES:
+        if model_type in NPRF_FAMILIES:
             if model_args.convert_to_nprf:
                 raise ValueError(f"--convert_to_nprf: {path} is already an NPRF model ({model_type})")
-            return getattr(modeling_nprf, NPRF_MODEL_TYPES[model_type]).from_pretrained(path)
+            return masked_lm_class(model_type).from_pretrained(path)
         model = AutoModelForMaskedLM.from_pretrained(path, **kwargs)
     if not model_args.convert_to_nprf:
         return model
-    overrides = {
-        name: getattr(model_args, name)
-        for name in (
-            "num_random_features",
-            "feature_map",
-            "attention_algorithm",
-            "rpe_shared_across_layers",
-            "max_position_embeddings",
-            "position_embedding_type",
-        )
-        if getattr(model_args, name) is not None
-    }
+    names = [f.name for f in NPRF_FIELDS if hasattr(model_args, f.name)] + ["max_position_embeddings"]
+    overrides = {name: getattr(model_args, name) for name in names if getattr(model_args, name) is not None}
     model, report = convert_to_nprf(
         model,
         tokenizer=tokenizer,
@@ -131,15 +125,15 @@ def load_model(model_args, tokenizer):
 
 def _load_config(name_or_path, **kwargs):
     """Config of a dir / json / Hub id; NPRF configs load without remote code."""
-    from nprf_hf.configuration_nprf import NPRFBertConfig, NPRFRobertaConfig
+    from nprf_hf.configuration_nprf import NPRF_CONFIG_CLASSES
+    from nprf_hf.families import NPRF_FAMILIES
 
     config_file = os.path.join(name_or_path, "config.json") if os.path.isdir(name_or_path) else name_or_path
     if os.path.isfile(config_file):
         with open(config_file, encoding="utf-8") as handle:
             model_type = json.load(handle).get("model_type")
-        nprf = {"nprf_bert": NPRFBertConfig, "nprf_roberta": NPRFRobertaConfig}.get(model_type)
-        if nprf is not None:
-            return nprf.from_pretrained(name_or_path)
+        if model_type in NPRF_FAMILIES:
+            return NPRF_CONFIG_CLASSES[NPRF_FAMILIES[model_type].model_type].from_pretrained(name_or_path)
     return AutoConfig.from_pretrained(name_or_path, **kwargs)
 
 
@@ -224,7 +218,7 @@ def main(argv=None):
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, trust_remote_code=model_args.trust_remote_code)
     model = load_model(model_args, tokenizer)
     config = model.config
-    offset = config.pad_token_id + 1 if "roberta" in config.model_type else 0
+    offset = position_offset(config)
     usable = config.max_position_embeddings - offset
     if getattr(config, "position_embedding_type", "absolute") != "none" and data_args.max_seq_length > usable:
         raise ValueError(

@@ -1,78 +1,29 @@
 """nprf-hf: kernelized attention with relative positional encoding (Luo et al., NeurIPS 2021) for
-HuggingFace BERT and RoBERTa. Importing the package registers every model with the Auto classes."""
+HuggingFace encoders: every family of `nprf_hf.families.FAMILIES` (BERT, RoBERTa, XLM-RoBERTa, ELECTRA,
+DistilBERT). Importing the package registers every model with the Auto classes."""
 
-from transformers import (
-    AutoConfig,
-    AutoModel,
-    AutoModelForCausalLM,
-    AutoModelForMaskedLM,
-    AutoModelForMultipleChoice,
-    AutoModelForQuestionAnswering,
-    AutoModelForSequenceClassification,
-    AutoModelForTokenClassification,
-)
+import transformers
 
 from . import functional
-from .configuration_nprf import NPRFBertConfig, NPRFRobertaConfig
+from .configuration_nprf import NPRF_CONFIG_CLASSES
 from .convert import convert_to_nprf
+from .families import FAMILIES, HEADS
+from .modeling_nprf import NPRF_MODEL_CLASSES
 from .transfer import TransferReport, attention_transfer, read_transfer_texts
-from .modeling_nprf import (
-    NPRFBertForMaskedLM,
-    NPRFBertForMultipleChoice,
-    NPRFBertForQuestionAnswering,
-    NPRFBertForSequenceClassification,
-    NPRFBertForTokenClassification,
-    NPRFBertModel,
-    NPRFBertPreTrainedModel,
-    NPRFRobertaForCausalLM,
-    NPRFRobertaForMaskedLM,
-    NPRFRobertaForMultipleChoice,
-    NPRFRobertaForQuestionAnswering,
-    NPRFRobertaForSequenceClassification,
-    NPRFRobertaForTokenClassification,
-    NPRFRobertaModel,
-    NPRFRobertaPreTrainedModel,
-)
 
 
 __version__ = "0.1.0"
 
-AutoConfig.register(NPRFBertConfig.model_type, NPRFBertConfig, exist_ok=True)
-AutoConfig.register(NPRFRobertaConfig.model_type, NPRFRobertaConfig, exist_ok=True)
-for _auto, _bert, _roberta in [
-    (AutoModel, NPRFBertModel, NPRFRobertaModel),
-    (AutoModelForMaskedLM, NPRFBertForMaskedLM, NPRFRobertaForMaskedLM),
-    (AutoModelForSequenceClassification, NPRFBertForSequenceClassification, NPRFRobertaForSequenceClassification),
-    (AutoModelForTokenClassification, NPRFBertForTokenClassification, NPRFRobertaForTokenClassification),
-    (AutoModelForQuestionAnswering, NPRFBertForQuestionAnswering, NPRFRobertaForQuestionAnswering),
-    (AutoModelForMultipleChoice, NPRFBertForMultipleChoice, NPRFRobertaForMultipleChoice),
-]:
-    _auto.register(NPRFBertConfig, _bert, exist_ok=True)
-    _auto.register(NPRFRobertaConfig, _roberta, exist_ok=True)
-AutoModelForCausalLM.register(NPRFRobertaConfig, NPRFRobertaForCausalLM, exist_ok=True)
+# NPRFBertConfig, NPRFBertModel, NPRFBertForMaskedLM, ...: every config and model class, exported and
+# registered with its Auto class
+_EXPORTS = {}
+for _model_type, _config_class in NPRF_CONFIG_CLASSES.items():
+    transformers.AutoConfig.register(_config_class.model_type, _config_class, exist_ok=True)
+    _EXPORTS[_config_class.__name__] = _config_class
+    for _head, _model_class in NPRF_MODEL_CLASSES[_model_type].items():
+        _EXPORTS[_model_class.__name__] = _model_class
+        if _head is not None:
+            getattr(transformers, HEADS[_head].auto_class).register(_config_class, _model_class, exist_ok=True)
+globals().update(_EXPORTS)
 
-
-__all__ = [
-    "functional",
-    "convert_to_nprf",
-    "attention_transfer",
-    "read_transfer_texts",
-    "TransferReport",
-    "NPRFBertConfig",
-    "NPRFRobertaConfig",
-    "NPRFBertModel",
-    "NPRFBertForMaskedLM",
-    "NPRFBertForSequenceClassification",
-    "NPRFBertForTokenClassification",
-    "NPRFBertForQuestionAnswering",
-    "NPRFBertForMultipleChoice",
-    "NPRFBertPreTrainedModel",
-    "NPRFRobertaModel",
-    "NPRFRobertaForMaskedLM",
-    "NPRFRobertaForSequenceClassification",
-    "NPRFRobertaForTokenClassification",
-    "NPRFRobertaForQuestionAnswering",
-    "NPRFRobertaForMultipleChoice",
-    "NPRFRobertaForCausalLM",
-    "NPRFRobertaPreTrainedModel",
-]
+__all__ = ["functional", "convert_to_nprf", "attention_transfer", "read_transfer_texts", "TransferReport", *_EXPORTS]

@@ -36,51 +36,40 @@ TRANSFER_OPTIONS = (
 
 
 def add_convert_parser(subparsers):
-    from .configuration_nprf import ATTENTION_ALGORITHMS, FEATURE_MAPS, POSITION_EMBEDDING_TYPES
-    from .convert import HEADS, RPE_INITS
+    from .configuration_nprf import NPRF_FIELDS
+    from .convert import RPE_INITS
+    from .families import FAMILIES, HEADS
     from .transfer import TRANSFER_DEFAULTS
 
     parser = subparsers.add_parser(
         "convert",
-        help="convert a BERT/RoBERTa checkpoint to NPRF attention",
+        help="convert a checkpoint (" + ", ".join(f.display_name for f in FAMILIES.values()) + ") to NPRF attention",
         description=(
-            "Convert a BERT or RoBERTa checkpoint (local dir or Hub id, any head) to the matching NPRF model. "
+            "Convert a " + ", ".join(f.display_name for f in FAMILIES.values()) + " checkpoint (local dir or Hub id, "
+            "any head) to the matching NPRF model. "
             "Every source tensor is copied bit-identically; the new tensors (RPE table, random projections) "
             "are listed. The output is saved with safetensors and remote code, plus the tokenizer."
         ),
     )
-    parser.add_argument("src", help="local directory or Hub id of a BERT or RoBERTa checkpoint")
+    parser.add_argument("src", help="local directory or Hub id of a softmax checkpoint of a supported family")
     parser.add_argument("out", help="output directory")
-    parser.add_argument("--num-random-features", type=int, help="m, random features per head")
-    parser.add_argument("--feature-map", choices=FEATURE_MAPS)
-    parser.add_argument("--feature-redraw-interval", type=int, help="0 = fixed projection")
-    parser.add_argument("--projection-seed", type=int)
-    parser.add_argument("--rpe-num-buckets", type=int)
-    parser.add_argument("--rpe-max-distance", type=int)
-    parser.add_argument("--rpe-shared-across-layers", type=_bool, metavar="true|false")
-    parser.add_argument("--attention-algorithm", choices=ATTENTION_ALGORITHMS)
+    nprf = parser.add_argument_group(
+        "NPRF settings", "config fields of the NPRF model (nprf_hf.configuration_nprf.NPRF_FIELDS); default: the field's"
+    )
+    for field in NPRF_FIELDS:
+        if not field.convert_option:
+            continue
+        kind = {"bool": dict(type=_bool, metavar="true|false"), "str": dict(choices=field.choices)}.get(
+            field.type.__name__, dict(type=field.type)
+        )
+        nprf.add_argument(
+            "--" + field.name.replace("_", "-"), **kind, help=f"{field.help} (default: {field.default})"
+        )
     parser.add_argument(
         "--max-position-embeddings",
         type=int,
-        help="extend the absolute position table to N rows by tiling the learned rows (RoBERTa: N-2 usable)",
-    )
-    parser.add_argument("--position-embedding-type", choices=POSITION_EMBEDDING_TYPES)
-    parser.add_argument(
-        "--logit-scale-max",
-        type=float,
-        help="> 1: a learnable per-head scale (starting at 1, bounded by this) of the normalized content logits",
-    )
-    parser.add_argument(
-        "--segment-bias",
-        type=_bool,
-        metavar="true|false",
-        help="a learned per-head bias for query/key pairs in different segments of a sentence pair",
-    )
-    parser.add_argument(
-        "--token-match",
-        type=_bool,
-        metavar="true|false",
-        help="a learned per-head weight for the same token in the other segment (needs --segment-bias true)",
+        help="extend the absolute position table to N rows by tiling the learned rows (RoBERTa: N-2 usable); "
+        "default: the source's",
     )
     parser.add_argument("--rpe-init", choices=RPE_INITS, default="zeros")
     parser.add_argument("--calibration-text", help="plain text file for --rpe-init calibrated")
@@ -112,27 +101,12 @@ def add_convert_parser(subparsers):
     return parser
 
 
-CONFIG_OPTIONS = (
-    "num_random_features",
-    "feature_map",
-    "feature_redraw_interval",
-    "projection_seed",
-    "rpe_num_buckets",
-    "rpe_max_distance",
-    "rpe_shared_across_layers",
-    "attention_algorithm",
-    "max_position_embeddings",
-    "position_embedding_type",
-    "logit_scale_max",
-    "segment_bias",
-    "token_match",
-)
-
-
 def run_convert(args):
+    from .configuration_nprf import NPRF_FIELDS
     from .convert import convert_checkpoint
 
-    overrides = {name: getattr(args, name) for name in CONFIG_OPTIONS if getattr(args, name) is not None}
+    names = [field.name for field in NPRF_FIELDS if field.convert_option] + ["max_position_embeddings"]
+    overrides = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     from_pretrained_kwargs = {}
     if args.revision:
         from_pretrained_kwargs["revision"] = args.revision

@@ -1,130 +1,168 @@
 # coding=utf-8
 """Configurations of the NPRF (normalized positive random feature + relative positional encoding)
-BERT and RoBERTa models (Luo et al., "Stable, Fast and Accurate: Kernelized Attention with Relative
-Positional Encoding", NeurIPS 2021).
+models, one per family of `families.FAMILIES` (Luo et al., "Stable, Fast and Accurate: Kernelized
+Attention with Relative Positional Encoding", NeurIPS 2021).
 
-Both configs are the HF ones plus the fields below (defaults and why):
+Every family's NPRF config is the HF config plus the fields of `NPRF_FIELDS` (name, type, default,
+allowed values, help: declared once; the CLI options, the model card and the validation derive from it).
+Why each default:
 
-- `num_random_features` (64): m, the number of random features per head. 64 equals the head size of
+- `num_random_features`: m, the number of random features per head. 64 equals the head size of
   BERT-base, so the feature map costs about what the head itself costs; since queries and keys are
   L2-normalized the kernel exp(q.k) lies in [1/e, e] and 64 features already estimate it with a small
   variance. Raise it for a closer approximation.
-- `feature_map` ("orf"): "orf" draws blocks of orthogonal rows (lower variance, the usual choice),
+- `feature_map`: "orf" draws blocks of orthogonal rows (lower variance, the usual choice),
   "prf" draws iid Gaussian rows.
-- `feature_redraw_interval` (0): 0 keeps the projection fixed (it is saved with the weights, so a
+- `feature_redraw_interval`: 0 keeps the projection fixed (it is saved with the weights, so a
   reloaded model gives identical outputs); N > 0 redraws it every N training forward passes (never
   in eval), deterministically from `projection_seed`, the layer index and the redraw count.
-- `projection_seed` (0): seed of the deterministic draw of every layer's projection.
-- `rpe_num_buckets` (32), `rpe_max_distance` (128): T5's relative position buckets (T5's defaults).
-- `rpe_shared_across_layers` (True): one bias table for all layers, as in the paper.
-- `attention_algorithm` ("auto"): "dense", "fft" or "banded" (exact and equal up to rounding, they
+- `projection_seed`: seed of the deterministic draw of every layer's projection.
+- `rpe_num_buckets`, `rpe_max_distance`: T5's relative position buckets (T5's defaults).
+- `rpe_shared_across_layers`: one bias table for all layers, as in the paper.
+- `attention_algorithm`: "dense", "fft" or "banded" (exact and equal up to rounding, they
   differ in speed only); "auto" picks the fastest for the input length.
-- `position_embedding_type` ("absolute"): "absolute" keeps the learned position table of the
+- `position_embedding_type`: "absolute" keeps the learned position table of the
   source checkpoint (inputs up to `max_position_embeddings`); "none" drops it, the model then
   knows positions only through the relative bias and takes inputs of any length.
-- `logit_scale_max` (0.0 = off): with normalized q and k the content logits q.k lie in [-1, 1], so
+- `logit_scale_max`: with normalized q and k the content logits q.k lie in [-1, 1], so
   content alone can favour one key over another by at most e^2. A value > 1 gives every layer a
   learnable per-head scale s in (0, logit_scale_max) of those logits (kernel exp(s q.k)), starting at
   s = 1. Off by default: the default is the paper's NPRF, and the random-feature estimate's variance
   grows with s (benchmarks/approximation.py).
-- `segment_bias` (False): a learned per-head bias beta (per layer, starting at 0) added to the
+- `segment_bias`: a learned per-head bias beta (per layer, starting at 0) added to the
   relative bias of every query/key pair in different segments of a sentence pair (token_type_ids;
   RoBERTa, which has none, takes the segments from the separator tokens), so that attention can tell
   "same sentence" from "other sentence". Exact and linear-time: one Toeplitz product per segment
   (about 2x for pairs). Off by default: it has not yet earned its place (model_cards/GLUE_RESULTS.md).
-- `token_match` (False, needs `segment_bias`): a learned per-head weight mu >= 0 (per layer,
+- `token_match`: a learned per-head weight mu >= 0 (per layer,
   starting at 0) that adds phi(q).phi(k) * mu to the attention weight of a query and a key that are
   the same token in different segments: exact word matching across the two sentences of a pair,
   which NPRF's bounded logits cannot learn (benchmarks/pair_attention.py). Linear-time and exact.
-- `output_attentions_max_length` (4096): `output_attentions=True` materializes the implied n x n
+- `output_attentions_max_length`: `output_attentions=True` materializes the implied n x n
   attention matrix per head; beyond this length it raises instead of exhausting memory.
 """
 
-from transformers import BertConfig, RobertaConfig
+from dataclasses import dataclass
+from typing import Callable, Optional
 
+import transformers
+
+from .families import FAMILIES, HEADS, family_of
 from .functional import ALGORITHMS as ATTENTION_ALGORITHMS
 from .functional import FEATURE_MAPS
 
 
 POSITION_EMBEDDING_TYPES = ("absolute", "none")
 
-NPRF_BERT_AUTO_MAP = {
-    "AutoConfig": "configuration_nprf.NPRFBertConfig",
-    "AutoModel": "modeling_nprf.NPRFBertModel",
-    "AutoModelForMaskedLM": "modeling_nprf.NPRFBertForMaskedLM",
-    "AutoModelForSequenceClassification": "modeling_nprf.NPRFBertForSequenceClassification",
-    "AutoModelForTokenClassification": "modeling_nprf.NPRFBertForTokenClassification",
-    "AutoModelForQuestionAnswering": "modeling_nprf.NPRFBertForQuestionAnswering",
-    "AutoModelForMultipleChoice": "modeling_nprf.NPRFBertForMultipleChoice",
-}
-NPRF_ROBERTA_AUTO_MAP = {
-    "AutoConfig": "configuration_nprf.NPRFRobertaConfig",
-    "AutoModel": "modeling_nprf.NPRFRobertaModel",
-    "AutoModelForMaskedLM": "modeling_nprf.NPRFRobertaForMaskedLM",
-    "AutoModelForSequenceClassification": "modeling_nprf.NPRFRobertaForSequenceClassification",
-    "AutoModelForTokenClassification": "modeling_nprf.NPRFRobertaForTokenClassification",
-    "AutoModelForQuestionAnswering": "modeling_nprf.NPRFRobertaForQuestionAnswering",
-    "AutoModelForMultipleChoice": "modeling_nprf.NPRFRobertaForMultipleChoice",
-    "AutoModelForCausalLM": "modeling_nprf.NPRFRobertaForCausalLM",
-}
-
 
 def _is_int(value):
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class NPRFField:
+    """One NPRF config field. `check(value)` -> bool and `rule` (the allowed values in words) give the
+    error message; `choices` replaces both for enumerations. `convert_option`: `nprf-hf convert` sets it."""
+
+    name: str
+    type: type
+    default: object
+    help: str
+    choices: Optional[tuple] = None
+    check: Optional[Callable] = None
+    rule: str = ""
+    convert_option: bool = True
+
+    def validate(self, value):
+        if self.choices is not None:
+            if value not in self.choices:
+                raise ValueError(f"{self.name} must be one of {self.choices}, got {value!r}")
+        elif self.type is bool:
+            if not isinstance(value, bool):
+                raise ValueError(f"{self.name} must be True or False, got {value!r}")
+        elif not self.check(value):
+            raise ValueError(f"{self.name} must be {self.rule}, got {value!r}")
+
+
+NPRF_FIELDS = (
+    NPRFField(
+        "num_random_features", int, 64, "m, random features per head",
+        check=lambda v: _is_int(v) and v >= 1, rule="a positive integer",
+    ),
+    NPRFField("feature_map", str, "orf", "orf: orthogonal random rows; prf: iid Gaussian rows", choices=FEATURE_MAPS),
+    NPRFField(
+        "feature_redraw_interval", int, 0, "0 = fixed projection; N = redraw it every N training forward passes",
+        check=lambda v: _is_int(v) and v >= 0,
+        rule="an integer >= 0 (0 = fixed projection, N = redraw every N training forward passes)",
+    ),
+    NPRFField(
+        "projection_seed", int, 0, "seed of every layer's random projection",
+        check=lambda v: _is_int(v) and v >= 0, rule="an integer >= 0",
+    ),
+    NPRFField(
+        "rpe_num_buckets", int, 32, "T5 relative position buckets", check=lambda v: _is_int(v) and v >= 4,
+        rule="an integer >= 4",
+    ),
+    NPRFField(
+        "rpe_max_distance", int, 128, "distance beyond which T5 buckets are constant (> rpe_num_buckets // 2)",
+        check=_is_int, rule="an integer",
+    ),
+    NPRFField("rpe_shared_across_layers", bool, True, "one RPE table for all layers (the paper) or one per layer"),
+    NPRFField(
+        "attention_algorithm", str, "auto", "exact algorithm of the Toeplitz product; auto picks by length",
+        choices=ATTENTION_ALGORITHMS,
+    ),
+    NPRFField(
+        "position_embedding_type", str, "absolute",
+        "absolute: keep the source's position table; none: relative positions only, any length",
+        choices=POSITION_EMBEDDING_TYPES,
+    ),
+    NPRFField(
+        "logit_scale_max", float, 0.0,
+        "0 = off; > 1: a learnable per-head scale (starting at 1, bounded by this) of the normalized content logits",
+        check=lambda v: _is_number(v) and (v == 0 or v > 1),
+        rule="0 (off: the paper's NPRF) or a number > 1 (the bound of the learnable per-head logit scale, which starts at 1)",
+    ),
+    NPRFField(
+        "segment_bias", bool, False,
+        "a learned per-head bias for query/key pairs in different segments of a sentence pair",
+    ),
+    NPRFField(
+        "token_match", bool, False,
+        "a learned per-head weight for the same token in the other segment (needs segment_bias)",
+    ),
+    NPRFField(
+        "output_attentions_max_length", int, 4096,
+        "longest input for which output_attentions / a non-padding mask may build the dense n x n weights",
+        check=lambda v: _is_int(v) and v >= 1, rule="a positive integer", convert_option=False,
+    ),
+)
+NPRF_FIELD_NAMES = tuple(field.name for field in NPRF_FIELDS)
+
+
 def validate_nprf_fields(config):
     """Raise a ValueError naming the field and its allowed values for every invalid NPRF field."""
-    if not _is_int(config.num_random_features) or config.num_random_features < 1:
-        raise ValueError(f"num_random_features must be a positive integer, got {config.num_random_features!r}")
-    if config.feature_map not in FEATURE_MAPS:
-        raise ValueError(f"feature_map must be one of {FEATURE_MAPS}, got {config.feature_map!r}")
-    if not _is_int(config.feature_redraw_interval) or config.feature_redraw_interval < 0:
-        raise ValueError(
-            "feature_redraw_interval must be an integer >= 0 (0 = fixed projection, N = redraw every N training "
-            f"forward passes), got {config.feature_redraw_interval!r}"
-        )
-    if not _is_int(config.projection_seed) or config.projection_seed < 0:
-        raise ValueError(f"projection_seed must be an integer >= 0, got {config.projection_seed!r}")
-    if not _is_int(config.rpe_num_buckets) or config.rpe_num_buckets < 4:
-        raise ValueError(f"rpe_num_buckets must be an integer >= 4, got {config.rpe_num_buckets!r}")
-    if not _is_int(config.rpe_max_distance) or config.rpe_max_distance <= config.rpe_num_buckets // 2:
+    for field in NPRF_FIELDS:
+        field.validate(getattr(config, field.name))
+    if config.rpe_max_distance <= config.rpe_num_buckets // 2:
         raise ValueError(
             f"rpe_max_distance must be an integer > rpe_num_buckets // 2 = {config.rpe_num_buckets // 2}, "
             f"got {config.rpe_max_distance!r}"
         )
-    if not isinstance(config.rpe_shared_across_layers, bool):
-        raise ValueError(f"rpe_shared_across_layers must be True or False, got {config.rpe_shared_across_layers!r}")
-    if config.attention_algorithm not in ATTENTION_ALGORITHMS:
-        raise ValueError(
-            f"attention_algorithm must be one of {ATTENTION_ALGORITHMS}, got {config.attention_algorithm!r}"
-        )
-    if config.position_embedding_type not in POSITION_EMBEDDING_TYPES:
-        raise ValueError(
-            f"position_embedding_type must be one of {POSITION_EMBEDDING_TYPES} ('none' = relative positions only, "
-            f"any length), got {config.position_embedding_type!r}"
-        )
-    if (
-        isinstance(config.logit_scale_max, bool)
-        or not isinstance(config.logit_scale_max, (int, float))
-        or not (config.logit_scale_max == 0 or config.logit_scale_max > 1)
-    ):
-        raise ValueError(
-            "logit_scale_max must be 0 (off: the paper's NPRF) or a number > 1 (the bound of the learnable "
-            f"per-head logit scale, which starts at 1), got {config.logit_scale_max!r}"
-        )
-    if not isinstance(config.segment_bias, bool):
-        raise ValueError(f"segment_bias must be True or False, got {config.segment_bias!r}")
-    if config.segment_bias and config.is_decoder:
+    family = family_of(config.model_type)
+    if config.segment_bias and getattr(config, "is_decoder", False):
         raise ValueError("segment_bias=True is for encoders reading sentence pairs; a decoder (is_decoder=True) has no segments")
-    if not isinstance(config.token_match, bool):
-        raise ValueError(f"token_match must be True or False, got {config.token_match!r}")
+    if config.segment_bias and family.segments is None:
+        raise ValueError(
+            f"segment_bias=True needs the segments of a sentence pair, which {family.display_name} inputs do not mark "
+            "(no token_type_ids, no separator rule): leave segment_bias off"
+        )
     if config.token_match and not config.segment_bias:
         raise ValueError("token_match=True matches tokens across segments: it needs segment_bias=True too")
-    if not _is_int(config.output_attentions_max_length) or config.output_attentions_max_length < 1:
-        raise ValueError(
-            f"output_attentions_max_length must be a positive integer, got {config.output_attentions_max_length!r}"
-        )
     if config.hidden_size % config.num_attention_heads != 0:
         raise ValueError(
             f"hidden_size ({config.hidden_size}) must be a multiple of num_attention_heads "
@@ -132,68 +170,38 @@ def validate_nprf_fields(config):
         )
 
 
-class NPRFBertConfig(BertConfig):
-    r"""[`BertConfig`] plus the NPRF attention fields (see the module docstring for each default and why).
+def nprf_auto_map(family):
+    """The config's `auto_map` (remote code): the config class and one model class per head of the family."""
+    auto_map = {"AutoConfig": f"configuration_nprf.{family.nprf_prefix}Config"}
+    auto_map.update({HEADS[h].auto_class: f"modeling_nprf.{family.class_name(h)}" for h in family.heads})
+    return auto_map
 
-    Example:
 
-    ```python
-    >>> from nprf_hf import NPRFBertConfig, NPRFBertModel
-    >>> config = NPRFBertConfig(num_random_features=64, attention_algorithm="auto")
-    >>> model = NPRFBertModel(config)
-    ```"""
-
-    model_type = "nprf_bert"
-
-    num_random_features: int = 64
-    feature_map: str = "orf"
-    feature_redraw_interval: int = 0
-    projection_seed: int = 0
-    rpe_num_buckets: int = 32
-    rpe_max_distance: int = 128
-    rpe_shared_across_layers: bool = True
-    attention_algorithm: str = "auto"
-    position_embedding_type: str = "absolute"
-    logit_scale_max: float = 0.0
-    segment_bias: bool = False
-    token_match: bool = False
-    output_attentions_max_length: int = 4096
+def _nprf_config_class(family):
+    """`NPRF<Family>Config`: the family's HF config plus the NPRF fields (a dataclass field each)."""
+    hf_config = getattr(transformers, family.prefix + "Config")
 
     def __post_init__(self, **kwargs):
-        super().__post_init__(**kwargs)
+        hf_config.__post_init__(self, **kwargs)
         validate_nprf_fields(self)
         if getattr(self, "auto_map", None) is None:
-            self.auto_map = dict(NPRF_BERT_AUTO_MAP)
+            self.auto_map = nprf_auto_map(family)
+
+    name = family.nprf_prefix + "Config"
+    namespace = {
+        "__module__": __name__,
+        "__qualname__": name,
+        "__doc__": f"[`{hf_config.__name__}`] plus the NPRF attention fields (`NPRF_FIELDS`; the module docstring says why).",
+        "__annotations__": {field.name: field.type for field in NPRF_FIELDS},
+        "model_type": family.nprf_model_type,
+        "__post_init__": __post_init__,
+        **{field.name: field.default for field in NPRF_FIELDS},
+    }
+    return type(name, (hf_config,), namespace)
 
 
-class NPRFRobertaConfig(RobertaConfig):
-    r"""[`RobertaConfig`] plus the NPRF attention fields (see the module docstring for each default and why).
+# NPRFBertConfig, NPRFRobertaConfig, ...: one per family
+NPRF_CONFIG_CLASSES = {model_type: _nprf_config_class(family) for model_type, family in FAMILIES.items()}
+globals().update({cls.__name__: cls for cls in NPRF_CONFIG_CLASSES.values()})
 
-    With `is_decoder=True` ([`NPRFRobertaForCausalLM`]) the self-attention is causal and the relative
-    buckets are unidirectional (as in T5's decoder).
-    """
-
-    model_type = "nprf_roberta"
-
-    num_random_features: int = 64
-    feature_map: str = "orf"
-    feature_redraw_interval: int = 0
-    projection_seed: int = 0
-    rpe_num_buckets: int = 32
-    rpe_max_distance: int = 128
-    rpe_shared_across_layers: bool = True
-    attention_algorithm: str = "auto"
-    position_embedding_type: str = "absolute"
-    logit_scale_max: float = 0.0
-    segment_bias: bool = False
-    token_match: bool = False
-    output_attentions_max_length: int = 4096
-
-    def __post_init__(self, **kwargs):
-        super().__post_init__(**kwargs)
-        validate_nprf_fields(self)
-        if getattr(self, "auto_map", None) is None:
-            self.auto_map = dict(NPRF_ROBERTA_AUTO_MAP)
-
-
-__all__ = ["NPRFBertConfig", "NPRFRobertaConfig"]
+__all__ = [cls.__name__ for cls in NPRF_CONFIG_CLASSES.values()]

@@ -1,5 +1,6 @@
 # Copyright 2025 The nprf-hf authors. Licensed under the Apache License, Version 2.0.
-"""Conversion of BERT / RoBERTa checkpoints to NPRF attention.
+"""Conversion of checkpoints of every family of `families.FAMILIES` (BERT, RoBERTa, XLM-RoBERTa, ELECTRA,
+DistilBERT) to NPRF attention.
 
 The NPRF models keep every tensor of the source model under the same name and shape (Q/K/V, output
 projections, layer norms, embeddings, heads) and add only the relative-position bias table(s) and the
@@ -20,36 +21,13 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import nn
 
+from .families import ATTENTION_LAYOUTS, FAMILIES, HEADS, family_of, position_offset
 from .functional import t5_relative_position_bucket
 
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("bert", "roberta")
 RPE_INITS = ("zeros", "calibrated")
-
-# head name -> source architecture suffixes that map onto it (after the "Bert" / "Roberta" prefix)
-HEADS = {
-    "model": ("Model",),
-    "masked-lm": ("ForMaskedLM", "ForPreTraining"),
-    "sequence-classification": ("ForSequenceClassification",),
-    "token-classification": ("ForTokenClassification",),
-    "question-answering": ("ForQuestionAnswering",),
-    "multiple-choice": ("ForMultipleChoice",),
-    "causal-lm": ("ForCausalLM",),
-}
-# NPRF class suffix for each head
-HEAD_CLASS_SUFFIX = {
-    "model": "Model",
-    "masked-lm": "ForMaskedLM",
-    "sequence-classification": "ForSequenceClassification",
-    "token-classification": "ForTokenClassification",
-    "question-answering": "ForQuestionAnswering",
-    "multiple-choice": "ForMultipleChoice",
-    "causal-lm": "ForCausalLM",
-}
-# source tensors that the NPRF class has no place for, by source architecture (dropped, reported)
-DROPPABLE_PREFIXES = {"ForPreTraining": ("cls.seq_relationship.", "bert.pooler.")}
 
 
 @dataclass
@@ -180,33 +158,22 @@ def _fill_unseen_buckets(values: torch.Tensor, seen: torch.Tensor, causal: bool 
 # ----------------------------------------------------------------------------------------------
 
 
-def _nprf_classes(model_type):
-    from . import configuration_nprf, modeling_nprf
+def _source_family(model_type):
+    """The Family of a source checkpoint's model_type (an NPRF checkpoint is not a source)."""
+    if model_type not in FAMILIES:
+        family_of(model_type)  # names the supported families
+        raise ValueError(f"model_type '{model_type}' is already NPRF: convert its softmax source instead")
+    return FAMILIES[model_type]
 
-    prefix = {"bert": "NPRFBert", "roberta": "NPRFRoberta"}[model_type]
-    config_class = getattr(configuration_nprf, prefix + "Config")
-    return prefix, config_class, modeling_nprf
 
-
-def _check_model_type(model_type):
-    if model_type not in SUPPORTED_MODEL_TYPES:
+def _head_from_architecture(architecture: str, family) -> str:
+    head = family.head_of_architecture(architecture)
+    if head is None:
         raise ValueError(
-            f"Unsupported model_type '{model_type}': nprf-hf converts only {', '.join(SUPPORTED_MODEL_TYPES)} "
-            "checkpoints (BERT or RoBERTa architecture with any head)"
+            f"Unsupported architecture '{architecture}' for model_type '{family.model_type}'; supported: "
+            f"{', '.join(family.source_architectures())} (or pass head= one of {', '.join(family.heads)})"
         )
-
-
-def _head_from_architecture(architecture: str, model_type: str) -> str:
-    prefix = {"bert": "Bert", "roberta": "Roberta"}[model_type]
-    suffix = architecture[len(prefix) :] if architecture.startswith(prefix) else None
-    for head, suffixes in HEADS.items():
-        if suffix in suffixes and not (head == "causal-lm" and model_type != "roberta"):
-            return head
-    supported = [prefix + s for head, ss in HEADS.items() for s in ss if head != "causal-lm" or model_type == "roberta"]
-    raise ValueError(
-        f"Unsupported architecture '{architecture}' for model_type '{model_type}'; supported: {', '.join(supported)} "
-        f"(or pass head= one of {', '.join(HEADS)})"
-    )
+    return head
 
 
 def _load_source(model_or_path, tokenizer=None, **from_pretrained_kwargs):
@@ -217,15 +184,15 @@ def _load_source(model_or_path, tokenizer=None, **from_pretrained_kwargs):
         config = getattr(model_or_path, "config", None)
         if config is None:
             raise ValueError("model_or_path is a torch module without a `.config`: pass a transformers BERT/RoBERTa model")
-        _check_model_type(config.model_type)
+        _source_family(config.model_type)
         return model_or_path, type(model_or_path).__name__, tokenizer
     if not isinstance(model_or_path, (str, os.PathLike)):
         raise ValueError(f"model_or_path must be a model, a local directory or a Hub id, got {type(model_or_path)}")
     path = str(model_or_path)
     config = transformers.AutoConfig.from_pretrained(path, **from_pretrained_kwargs)
-    _check_model_type(config.model_type)
-    architecture = (config.architectures or [{"bert": "BertModel", "roberta": "RobertaModel"}[config.model_type]])[0]
-    _head_from_architecture(architecture, config.model_type)  # refuse early on unsupported heads
+    family = _source_family(config.model_type)
+    architecture = (config.architectures or [family.class_name("model", nprf=False)])[0]
+    _head_from_architecture(architecture, family)  # refuse early on unsupported heads
     model = getattr(transformers, architecture).from_pretrained(path, dtype="auto", **from_pretrained_kwargs)
     model.eval()
     if tokenizer is None:
@@ -237,10 +204,11 @@ def _load_source(model_or_path, tokenizer=None, **from_pretrained_kwargs):
 
 
 def build_nprf_config(source_config, **overrides):
-    """NPRF config with every field of the BERT/RoBERTa `source_config`, plus `overrides` (NPRF fields
+    """NPRF config with every field of the `source_config` (any family), plus `overrides` (NPRF fields
     such as num_random_features, feature_map, rpe_num_buckets, ...). Unknown override names raise."""
-    _check_model_type(source_config.model_type)
-    _, config_class, _ = _nprf_classes(source_config.model_type)
+    from .configuration_nprf import NPRF_CONFIG_CLASSES
+
+    config_class = NPRF_CONFIG_CLASSES[_source_family(source_config.model_type).model_type]
     reference = config_class()
     unknown = [key for key in overrides if not hasattr(reference, key)]
     if unknown:
@@ -258,30 +226,18 @@ def build_nprf_config(source_config, **overrides):
     return config_class(**values)
 
 
-def _position_offset(config) -> int:
-    """Rows of the position table before the first real position (RoBERTa: padding_idx + 1)."""
-    return config.pad_token_id + 1 if config.model_type in ("roberta", "nprf_roberta") else 0
-
-
 # ----------------------------------------------------------------------------------------------
 # RPE calibration
 # ----------------------------------------------------------------------------------------------
 
 
-def _rpe_tables(model, num_heads, num_buckets):
-    """The RPE bias parameters of an NPRF model: list of (state-dict name, parameter, layer index or None)."""
-    tables = []
-    for name, param in model.named_parameters():
-        if not any(word in name for word in ("rpe", "relative")):
-            continue
-        if param.shape not in ((num_heads, num_buckets), (num_buckets, num_heads)):
-            raise ValueError(f"RPE table {name} has shape {list(param.shape)}, expected [{num_heads}, {num_buckets}]")
-        parts = name.split(".")
-        layer = int(parts[parts.index("layer") + 1]) if "layer" in parts else None
-        tables.append((name, param, layer))
-    if not tables:
-        raise RuntimeError("no RPE table found in the NPRF model (parameter name containing 'rpe' or 'relative')")
-    return tables
+def _rpe_tables(model):
+    """The RPE bias parameters of an NPRF model: list of (parameter [H, nb], layer index or None if shared)."""
+    base = model.base_model
+    shared = getattr(base, ATTENTION_LAYOUTS[base.family.layout].encoder).rpe_table
+    if shared is not None:
+        return [(shared, None)]
+    return [(attention.rpe_table, attention.layer_idx) for attention in base.nprf_attentions()]
 
 
 def _calibration_blocks(tokenizer, text_file, block_size, num_blocks):
@@ -313,7 +269,7 @@ def calibrate_rpe(
     """
     base = source_model.base_model
     causal = bool(getattr(base.config, "is_decoder", False))
-    max_len = base.config.max_position_embeddings - _position_offset(base.config)
+    max_len = base.config.max_position_embeddings - position_offset(base.config)
     block_size = min(block_size, max_len)
     input_ids = _calibration_blocks(tokenizer, text_file, block_size, num_blocks)
     special = torch.tensor([tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.pad_token_id])
@@ -369,18 +325,20 @@ def _convert(
     source, architecture, tokenizer = _load_source(model_or_path, tokenizer, **(from_pretrained_kwargs or {}))
     source_config = source.config
     model_type = source_config.model_type
+    family = FAMILIES[model_type]
     if head is None:
-        head = _head_from_architecture(architecture, model_type)
-    elif head == "causal-lm" and model_type != "roberta":
-        raise ValueError("head='causal-lm' exists only for RoBERTa")
+        head = _head_from_architecture(architecture, family)
+    elif head not in family.heads:
+        raise ValueError(f"head='{head}' does not exist for {family.display_name}; allowed: {', '.join(family.heads)}")
     if rpe_init == "calibrated" and tokenizer is None:
         raise ValueError("rpe_init='calibrated' needs the source tokenizer: pass tokenizer=")
     if transfer_texts is not None and tokenizer is None:
         raise ValueError("attention transfer needs the source tokenizer: pass tokenizer=")
 
     config = build_nprf_config(source_config, **config_overrides)
-    prefix, _, modeling = _nprf_classes(model_type)
-    target_class = getattr(modeling, prefix + HEAD_CLASS_SUFFIX[head])
+    from .modeling_nprf import NPRF_MODEL_CLASSES
+
+    target_class = NPRF_MODEL_CLASSES[model_type][head]
     # builds on CPU in float32, then takes the source's dtype
     dtype = source.dtype
     target = target_class(config)
@@ -397,13 +355,13 @@ def _convert(
         old_rows, new_rows = source_state[position_key].shape[0], target_state[position_key].shape[0]
         if new_rows != old_rows:
             source_state[position_key] = extend_position_embeddings(
-                source_state[position_key], new_rows, _position_offset(source_config)
+                source_state[position_key], new_rows, position_offset(source_config)
             )
             report.extended[position_key] = (old_rows, new_rows)
 
-    source_suffix = architecture[len(prefix) - len("NPRF") :]  # "BertForMaskedLM" -> "ForMaskedLM"
-    source_head = next((h for h, suffixes in HEADS.items() if source_suffix in suffixes), None)
-    droppable = DROPPABLE_PREFIXES.get(source_suffix, ())
+    source_head = family.head_of_architecture(architecture)
+    # tensors of a source alias (BertForPreTraining's next-sentence head) that the NPRF head has no place for
+    droppable = family.dropped_prefixes if architecture[len(family.prefix) :] in dict(family.source_aliases) else ()
     to_load = {}
     for name, tensor in source_state.items():
         if name in target_state and target_state[name].shape == tensor.shape:
@@ -429,8 +387,8 @@ def _convert(
     report.copied = sorted(name for name in to_load if name not in report.extended)
     report.new = {name: tuple(t.shape) for name, t in final_state.items() if name not in to_load}
 
-    num_buckets, num_heads = config.rpe_num_buckets, config.num_attention_heads
-    tables = _rpe_tables(target, num_heads, num_buckets)
+    num_buckets = config.rpe_num_buckets
+    tables = _rpe_tables(target)
     if rpe_init == "calibrated":
         biases = calibrate_rpe(
             source,
@@ -442,7 +400,7 @@ def _convert(
             num_blocks=calibration_blocks,
         )  # [L, H, nb]
     with torch.no_grad():
-        for name, param, layer in tables:
+        for param, layer in tables:
             if rpe_init == "zeros":
                 param.zero_()
                 continue
@@ -457,7 +415,7 @@ def _convert(
         report.transfer = attention_transfer(target, source, tokenizer, transfer_texts, **(transfer_options or {}))
 
     if tokenizer is not None and "max_position_embeddings" in config_overrides:
-        tokenizer.model_max_length = config.max_position_embeddings - _position_offset(config)
+        tokenizer.model_max_length = config.max_position_embeddings - position_offset(config)
     return target, tokenizer, report
 
 

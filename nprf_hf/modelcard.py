@@ -12,6 +12,7 @@
         -> `add_card_subcommand(subparsers)` registers it on the `nprf-hf` parser; `main(argv)` runs it alone.
 """
 
+import argparse
 import json
 import os
 import re
@@ -21,18 +22,9 @@ import sys
 import tempfile
 
 
-NPRF_MODEL_TYPES = {"nprf_bert": "BERT", "nprf_roberta": "RoBERTa"}
+from .families import HEADS, NPRF_FAMILIES, family_of, position_offset
 
-# architecture suffix -> (pipeline_tag, Auto class of the usage snippet)
-HEAD_PIPELINES = {
-    "ForMaskedLM": ("fill-mask", "AutoModelForMaskedLM"),
-    "ForSequenceClassification": ("text-classification", "AutoModelForSequenceClassification"),
-    "ForTokenClassification": ("token-classification", "AutoModelForTokenClassification"),
-    "ForQuestionAnswering": ("question-answering", "AutoModelForQuestionAnswering"),
-    "ForMultipleChoice": ("multiple-choice", "AutoModelForMultipleChoice"),
-    "ForCausalLM": ("text-generation", "AutoModelForCausalLM"),
-    "Model": ("feature-extraction", "AutoModel"),
-}
+
 BASE_TAGS = ("nprf", "kernelized-attention", "relative-position", "random-features", "linear-attention", "custom_code")
 
 # eval_results.json keys (after the "eval_" prefix) that are not quality metrics
@@ -131,37 +123,18 @@ $recipe
 ```
 """
 
-SETTING_FIELDS = (
-    "num_random_features",
-    "feature_map",
-    "feature_redraw_interval",
-    "projection_seed",
-    "rpe_num_buckets",
-    "rpe_max_distance",
-    "rpe_shared_across_layers",
-    "attention_algorithm",
-    "position_embedding_type",
-    "max_position_embeddings",
-    "logit_scale_max",
-    "segment_bias",
-    "token_match",
-    "output_attentions_max_length",
-)
-# NPRF config field -> `nprf-hf convert` option, for the recipe
-CONVERT_OPTIONS = (
-    "num_random_features",
-    "feature_map",
-    "feature_redraw_interval",
-    "projection_seed",
-    "rpe_num_buckets",
-    "rpe_max_distance",
-    "rpe_shared_across_layers",
-    "attention_algorithm",
-    "position_embedding_type",
-    "logit_scale_max",
-    "segment_bias",
-    "token_match",
-)
+def _setting_fields():
+    """The card's settings table: every NPRF field, plus the position table's size."""
+    from .configuration_nprf import NPRF_FIELDS
+
+    return (*(field.name for field in NPRF_FIELDS), "max_position_embeddings")
+
+
+def _convert_options():
+    """The NPRF fields that `nprf-hf convert` sets, for the card's recipe."""
+    from .configuration_nprf import NPRF_FIELDS
+
+    return tuple(field.name for field in NPRF_FIELDS if field.convert_option)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -176,9 +149,9 @@ def read_nprf_config(model_dir):
         raise ValueError(f"{model_dir} has no config.json: pass the directory of a saved NPRF model")
     with open(path) as f:
         config = json.load(f)
-    if config.get("model_type") not in NPRF_MODEL_TYPES:
+    if config.get("model_type") not in NPRF_FAMILIES:
         raise ValueError(
-            f"{path} has model_type={config.get('model_type')!r}, not an NPRF model ({', '.join(NPRF_MODEL_TYPES)}); "
+            f"{path} has model_type={config.get('model_type')!r}, not an NPRF model ({', '.join(NPRF_FAMILIES)}); "
             "convert it first with `nprf-hf convert`"
         )
     return config
@@ -186,14 +159,15 @@ def read_nprf_config(model_dir):
 
 def pipeline_for(config):
     """(architecture, pipeline_tag, Auto class) from config['architectures'] (default: the base model)."""
-    prefix = "NPRFBert" if config["model_type"] == "nprf_bert" else "NPRFRoberta"
-    architecture = (config.get("architectures") or [prefix + "Model"])[0]
-    suffix = architecture[len(prefix) :] if architecture.startswith(prefix) else None
-    if suffix not in HEAD_PIPELINES:
+    family = family_of(config["model_type"])
+    architecture = (config.get("architectures") or [family.class_name("model")])[0]
+    head = next((h for h in family.heads if family.class_name(h) == architecture), None)
+    if head is None:
         raise ValueError(
-            f"architecture {architecture!r} is not an NPRF class; expected {prefix} + one of {', '.join(HEAD_PIPELINES)}"
+            f"architecture {architecture!r} is not an NPRF class; expected one of "
+            f"{', '.join(family.class_name(h) for h in family.heads)}"
         )
-    return (architecture, *HEAD_PIPELINES[suffix])
+    return architecture, HEADS[head].pipeline_tag or "feature-extraction", HEADS[head].auto_class
 
 
 def load_eval_results(eval_results):
@@ -295,7 +269,7 @@ def _results_table(eval_results):
 def _recipe(config, base_model, glue_task):
     source = base_model or "SOURCE_BERT_OR_ROBERTA"
     options = []
-    for field in CONVERT_OPTIONS:
+    for field in _convert_options():
         if field in config:
             value = config[field]
             value = str(value).lower() if isinstance(value, bool) else value
@@ -315,8 +289,8 @@ def _length_limit(config):
     if config.get("position_embedding_type", "absolute") == "none":
         return "No absolute position table (`position_embedding_type: none`): inputs of any length are accepted."
     limit = config.get("max_position_embeddings")
-    if config["model_type"] == "nprf_roberta" and limit is not None:
-        offset = (1 if config.get("pad_token_id") is None else config["pad_token_id"]) + 1
+    if family_of(config["model_type"]).position_offset == "padding_idx" and limit is not None:
+        offset = position_offset(argparse.Namespace(model_type=config["model_type"], pad_token_id=config.get("pad_token_id")))
         limit = f"{limit - offset} (max_position_embeddings {limit} minus padding_idx + 1)"
     return (
         f"Inputs are limited to {limit} tokens (the absolute position table); longer inputs raise a ValueError. "
@@ -367,7 +341,7 @@ def build_model_card(
                 "(--task-name, e.g. sst2)"
             )
         entries = build_eval_results(results, pipeline_tag, task_name, datasets[0], eval_split)
-    family = NPRF_MODEL_TYPES[config["model_type"]]
+    family = family_of(config["model_type"]).display_name
     card_tags = [*BASE_TAGS, family.lower(), *(["glue", glue_task] if glue_task else []), *_as_list(tags)]
     data = ModelCardData(
         model_name=model_name,
@@ -386,7 +360,7 @@ def build_model_card(
         provenance += "."
     else:
         provenance = "Converted from a BERT / RoBERTa checkpoint with `nprf-hf convert`."
-    settings = "\n".join(f"| `{field}` | `{config[field]}` |" for field in SETTING_FIELDS if field in config)
+    settings = "\n".join(f"| `{field}` | `{config[field]}` |" for field in _setting_fields() if field in config)
     body = string.Template(CARD_TEMPLATE).substitute(
         model_name=model_name,
         family_name=f"{family} (`{architecture}`)",

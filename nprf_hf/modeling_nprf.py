@@ -1,24 +1,28 @@
 # coding=utf-8
-"""PyTorch NPRF-BERT and NPRF-RoBERTa: BERT / RoBERTa with normalized positive random feature
-attention and a T5-bucketed relative positional encoding (Luo et al., NeurIPS 2021).
+"""PyTorch NPRF models: every family of `families.FAMILIES` (BERT, RoBERTa, XLM-RoBERTa, ELECTRA,
+DistilBERT) with normalized positive random feature attention and a T5-bucketed relative positional
+encoding (Luo et al., NeurIPS 2021).
 
-The HF module chain is subclassed, names and shapes unchanged, so checkpoints map one-to-one:
+An NPRF model is its family's transformers model with one module swapped: every layer's
+self-attention becomes an [`NPRFSelfAttention`], which adopts the family's own q/k/v (and, for
+DistilBERT, output) projections under their own names, so checkpoints map one-to-one. What differs
+between families is data (`families.ATTENTION_LAYOUTS`: where the self-attention and its projections
+live); the classes of this file are built from that table, one per family and head:
 
-    NPRF...Model -> NPRFEncoder -> NPRFLayer -> NPRFAttention -> NPRFSelfAttention
+    NPRF<Family><Head>  =  <Family><Head> (transformers)  with its base model  NPRF<Family>Model
 
-The state_dict of an NPRF model is the source BERT / RoBERTa state_dict plus
-- `encoder.rpe_table` [H, rpe_num_buckets] (shared across layers, the default), or
-  `encoder.layer.{i}.attention.self.rpe_table` per layer (`rpe_shared_across_layers=False`);
-- `encoder.layer.{i}.attention.self.projection` [H, m, d], the random projection (persistent buffer).
-RoBERTa's encoder modules are verbatim copies of BERT's in transformers, so both families share the
-NPRF encoder classes; only embeddings and heads differ.
+The state_dict of an NPRF model is the source's plus
+- `<encoder>.rpe_table` [H, rpe_num_buckets] (shared across layers, the default), or
+  `<encoder>.layer.{i}.<self-attention>.rpe_table` per layer (`rpe_shared_across_layers=False`);
+- `<encoder>.layer.{i}.<self-attention>.projection` [H, m, d], the random projection (persistent buffer);
+- the optional per-layer `logit_scale_logit`, `cross_segment_bias`, `token_match_weight` [H].
+(`<encoder>` is `encoder` for BERT-layout families, `transformer` for DistilBERT.)
 
 Design notes:
-- Masks. HF builds 4D masks ([B, 1, L, L], bool under sdpa, additive float under eager, None when
-  there is no padding). We keep HF's choice of `config._attn_implementation` ("sdpa" by default,
-  "eager" accepted; flash / flex are declared unsupported so masks always arrive in one of those
-  two forms). The encoder turns a pure padding mask (or padding + causal for `is_decoder`) into a
-  key padding mask [B, L] once; any other mask is applied exactly through the dense weights.
+- Masks. The base model's forward turns the attention mask into one of two forms, once per forward:
+  a key padding mask [B, 1, 1, Lk] (bool, True = keep; padding, plus causality for a decoder) or a
+  general bool mask [B, 1|H, Lq, Lk], applied exactly through the dense weights. Both are 4D, so
+  transformers' mask builders pass them through untouched (no L x L mask is built for padding).
 - Cross-attention (decoder with `add_cross_attention=True`) is HF's softmax cross-attention,
   unchanged: the paper's RPE has no meaning between two different sequences.
 - Attention dropout (`attention_probs_dropout_prob`) is not applied: the fast algorithms never
@@ -26,61 +30,25 @@ Design notes:
 - The RPE table starts at zeros (c_r = 1 for every distance): a converted checkpoint starts as
   plain normalized random-feature attention and learns its positional bias while fine-tuning (or,
   better, during attention transfer: `nprf_hf.transfer`).
-- Optional, off by default (each adds a small per-layer parameter of its own):
-  `logit_scale_max` > 1 gives `logit_scale_logit` [H] (s = max * sigmoid, starting at s = 1);
-  `segment_bias=True` gives `cross_segment_bias` [H] (0 at start), fed with the segment ids that the
-  base models derive from token_type_ids (BERT) or the separators (RoBERTa); `token_match=True` gives
-  `token_match_weight` [H] (0 at start), fed with the input ids.
+- `position_embedding_type="none"` drops the absolute position table: [`NPRFEmbeddings`] replaces the
+  family's embeddings (same submodules and names) so that inputs of any length work.
 """
 
+import inspect
 import math
+import types
 
 import torch
+import transformers
 from torch import nn
 from torch.nn import functional as F
 
 from transformers import initialization as init
 from transformers.cache_utils import EncoderDecoderCache
-from transformers.masking_utils import create_bidirectional_mask
-from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
-from transformers.modeling_utils import PreTrainedModel
-from transformers.models.bert.modeling_bert import (
-    BertAttention,
-    BertCrossAttention,
-    BertEmbeddings,
-    BertEncoder,
-    BertForMaskedLM,
-    BertForMultipleChoice,
-    BertForQuestionAnswering,
-    BertForSequenceClassification,
-    BertForTokenClassification,
-    BertIntermediate,
-    BertLayer,
-    BertModel,
-    BertOnlyMLMHead,
-    BertOutput,
-    BertPooler,
-    BertPreTrainedModel,
-    BertSelfAttention,
-    BertSelfOutput,
-)
-from transformers.models.roberta.modeling_roberta import (
-    RobertaClassificationHead,
-    RobertaEmbeddings,
-    RobertaForCausalLM,
-    RobertaForMaskedLM,
-    RobertaForMultipleChoice,
-    RobertaForQuestionAnswering,
-    RobertaForSequenceClassification,
-    RobertaForTokenClassification,
-    RobertaLMHead,
-    RobertaModel,
-    RobertaPooler,
-    RobertaPreTrainedModel,
-)
 from transformers.utils import logging
 
-from .configuration_nprf import NPRFBertConfig, NPRFRobertaConfig, validate_nprf_fields
+from .configuration_nprf import NPRF_CONFIG_CLASSES, validate_nprf_fields
+from .families import ATTENTION_LAYOUTS, FAMILIES, HEADS, family_of, position_offset
 from .functional import (
     draw_projection,
     nprf_attention,
@@ -111,6 +79,18 @@ def _mask_to_bool(attention_mask):
             "attention bias with other values; add such biases to the RPE table instead."
         )
     return ~blocked
+
+
+def normalize_attention_mask(attention_mask, query_length, key_length, causal, num_heads):
+    """The mask in the form every NPRF layer reads (see the module docstring), computed once per forward:
+    None, a key padding mask [B, 1, 1, Lk] or a general bool mask [B, 1|H, Lq, Lk]."""
+    if attention_mask is None:
+        return None
+    batch_size = attention_mask.shape[0]
+    key_padding_mask, general_mask = split_attention_mask(
+        attention_mask, query_length, key_length, causal, batch_size, num_heads
+    )
+    return key_padding_mask[:, None, None, :] if general_mask is None else general_mask
 
 
 def split_attention_mask(attention_mask, query_length, key_length, causal, batch_size=None, num_heads=None):
@@ -163,7 +143,7 @@ def split_attention_mask(attention_mask, query_length, key_length, causal, batch
 
 
 # ---------------------------------------------------------------------------------------------
-# Encoder modules (shared by the BERT and RoBERTa families)
+# The NPRF self-attention (every family)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -173,18 +153,33 @@ def projection_generator(seed, layer_idx, draw_index):
     return torch.Generator(device="cpu").manual_seed(combined)
 
 
-class NPRFSelfAttention(BertSelfAttention):
-    """Self-attention with NPRF attention and a relative position bias.
+class NPRFSelfAttention(nn.Module):
+    """Self-attention with NPRF attention and a relative position bias, for any family.
 
-    `query`, `key`, `value` keep BERT's names and shapes (PEFT / LoRA target them by name).
-    Buffers and parameters of its own:
+    The q/k/v projections (and the output projection where the family's self-attention applies it)
+    keep the family's names (`query`/`key`/`value`; DistilBERT's `q_lin`/`k_lin`/`v_lin`/`out_lin`),
+    so PEFT / LoRA target them as in the source model; `layout` (a `families.AttentionLayout`) says
+    which. Buffers and parameters of its own:
         projection: [H, m, d] persistent buffer, the random projection of the feature map.
         rpe_table: [H, rpe_num_buckets] parameter when `rpe_shared_across_layers=False`, else None
-            (the encoder owns the shared table and passes it as `rpe_table=` to forward).
+            (the base model owns the shared table and passes it as `rpe_table=` to forward).
+        logit_scale_logit, cross_segment_bias, token_match_weight: [H], when configured.
     """
 
-    def __init__(self, config, is_causal=False, layer_idx=None):
-        super().__init__(config, is_causal=is_causal, layer_idx=layer_idx)
+    def __init__(self, config, is_causal=False, layer_idx=None, layout=None, projections=None):
+        """projections: the family's projection modules by name (adopted, not copied); None builds
+        fresh ones (hidden -> hidden)."""
+        super().__init__()
+        self.config = config
+        self.layout = ATTENTION_LAYOUTS["bert"] if layout is None else layout
+        self.num_attention_heads = config.num_attention_heads
+        self.attention_head_size = config.hidden_size // config.num_attention_heads
+        names = (self.layout.query, self.layout.key, self.layout.value) + ((self.layout.output,) if self.layout.output else ())
+        if projections is None:
+            projections = {name: nn.Linear(config.hidden_size, config.hidden_size) for name in names}
+        for name in names:
+            self.add_module(name, projections[name])
+        self.is_causal = is_causal
         self.layer_idx = 0 if layer_idx is None else layer_idx
         self.bidirectional = not is_causal
         with torch.device("cpu"):  # a plain int, also when the model is built on the meta device
@@ -210,6 +205,13 @@ class NPRFSelfAttention(BertSelfAttention):
         else:
             self.token_match_weight = None
 
+    @classmethod
+    def adopt(cls, module, config, layout, layer_idx):
+        """The NPRF self-attention that takes over the projections of a family's softmax `module`."""
+        names = (layout.query, layout.key, layout.value) + ((layout.output,) if layout.output else ())
+        projections = {name: getattr(module, name) for name in names}
+        return cls(config, bool(getattr(config, "is_decoder", False)), layer_idx, layout, projections)
+
     def logit_scale(self):
         """[H] per-head scale s of the normalized content logits, or None (s = 1, the paper's NPRF)."""
         if self.logit_scale_logit is None:
@@ -232,6 +234,25 @@ class NPRFSelfAttention(BertSelfAttention):
     def redraw_projection(self, draw_index):
         self.projection.copy_(self.draw_projection(draw_index))
 
+    def mask_forms(self, attention_mask, query_length, key_length, batch_size):
+        """(key padding mask [B, Lk] or None, general bool mask [B, 1|H, Lq, Lk] or None). The base model
+        hands over a normalized 4D bool mask (`normalize_attention_mask`): [B, 1, 1, Lk] is a key padding
+        mask; anything else (a 2D mask or an HF mask from a direct call) is split here."""
+        if (
+            attention_mask is not None
+            and attention_mask.dtype == torch.bool
+            and attention_mask.dim() == 4
+            and attention_mask.shape[0] == batch_size
+            and attention_mask.shape[-1] == key_length
+        ):
+            if attention_mask.shape[1:3] == (1, 1):
+                return attention_mask[:, 0, 0, :], None
+            if attention_mask.shape[-2] == query_length and attention_mask.shape[1] in (1, self.num_attention_heads):
+                return None, attention_mask
+        return split_attention_mask(
+            attention_mask, query_length, key_length, self.is_causal, batch_size, self.num_attention_heads
+        )
+
     def forward(
         self,
         hidden_states,
@@ -245,7 +266,8 @@ class NPRFSelfAttention(BertSelfAttention):
         """
         Args:
             hidden_states: [B, Lq, hidden].
-            attention_mask: None, [B, Lk] key padding mask, or a 4D HF mask [B, 1, Lq, Lk].
+            attention_mask: None, a normalized 4D bool mask (see `mask_forms`), a [B, Lk] key padding
+                mask, or a 4D HF mask [B, 1, Lq, Lk].
             past_key_values: a Cache (decoder generation); keys/values are then [B, H, Lk, d] with
                 Lk >= Lq and the queries are the last Lq positions.
             rpe_table: [H, rpe_num_buckets], the shared table (when this module has none).
@@ -257,9 +279,10 @@ class NPRFSelfAttention(BertSelfAttention):
         """
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.attention_head_size)
-        query = self.query(hidden_states).view(hidden_shape).transpose(1, 2)
-        key = self.key(hidden_states).view(hidden_shape).transpose(1, 2)
-        value = self.value(hidden_states).view(hidden_shape).transpose(1, 2)
+        layout = self.layout
+        query = getattr(self, layout.query)(hidden_states).view(hidden_shape).transpose(1, 2)
+        key = getattr(self, layout.key)(hidden_states).view(hidden_shape).transpose(1, 2)
+        value = getattr(self, layout.value)(hidden_states).view(hidden_shape).transpose(1, 2)
 
         if past_key_values is not None:
             cache = past_key_values
@@ -280,9 +303,7 @@ class NPRFSelfAttention(BertSelfAttention):
         rpe_bias = relative_position_bias(
             table, key_length, self.bidirectional, self.config.rpe_num_buckets, self.config.rpe_max_distance
         )
-        key_padding_mask, general_mask = split_attention_mask(
-            attention_mask, query_length, key_length, self.is_causal, query.shape[0], self.num_attention_heads
-        )
+        key_padding_mask, general_mask = self.mask_forms(attention_mask, query_length, key_length, query.shape[0])
 
         logit_scale = self.logit_scale()
         segments = {}
@@ -344,210 +365,79 @@ class NPRFSelfAttention(BertSelfAttention):
             attn_weights = attn_weights.to(value.dtype)
 
         attn_output = attn_output.transpose(1, 2).reshape(*input_shape, -1).contiguous()
+        if layout.output is not None:
+            attn_output = getattr(self, layout.output)(attn_output)
         return attn_output, (attn_weights if output_attentions else None)
 
 
-class NPRFAttention(BertAttention):
-    """BertAttention with NPRF self-attention (`.self`) and BERT's output block (`.output`)."""
-
-    def __init__(self, config, is_causal=False, layer_idx=None):
-        nn.Module.__init__(self)
-        self.is_cross_attention = False
-        self.self = NPRFSelfAttention(config, is_causal=is_causal, layer_idx=layer_idx)
-        self.output = BertSelfOutput(config)
+# ---------------------------------------------------------------------------------------------
+# Embeddings
+# ---------------------------------------------------------------------------------------------
 
 
-class NPRFLayer(BertLayer):
-    """BertLayer with NPRF self-attention; cross-attention (if configured) is HF's softmax one."""
+class NPRFEmbeddings(nn.Module):
+    """The family's embeddings, same submodules and names (`word_embeddings`, `token_type_embeddings`
+    where the family has token types, `position_embeddings` unless `position_embedding_type="none"`,
+    `LayerNorm`, `dropout`), with one forward for every family: positions count from 0 (BERT) or
+    from `padding_idx + 1` over non-padding tokens (RoBERTa), and inputs of any length without a
+    position table. Out-of-range ids raise a ValueError naming the field."""
 
-    def __init__(self, config, layer_idx=None):
-        nn.Module.__init__(self)
-        self.chunk_size_feed_forward = config.chunk_size_feed_forward
-        self.seq_len_dim = 1
-        self.attention = NPRFAttention(config, is_causal=config.is_decoder, layer_idx=layer_idx)
-        self.is_decoder = config.is_decoder
-        self.add_cross_attention = config.add_cross_attention
-        if self.add_cross_attention:
-            if not self.is_decoder:
-                raise ValueError(f"{self} should be used as a decoder model if cross attention is added")
-            self.crossattention = BertAttention(config, is_causal=False, layer_idx=layer_idx, is_cross_attention=True)
-        self.intermediate = BertIntermediate(config)
-        self.output = BertOutput(config)
+    def __init__(self, config, family, embeddings):
+        super().__init__()
+        self.word_embeddings = embeddings.word_embeddings
+        self.token_type_embeddings = getattr(embeddings, "token_type_embeddings", None)
+        self.position_embeddings = None
+        if config.position_embedding_type == "absolute":
+            self.position_embeddings = embeddings.position_embeddings
+        self.LayerNorm = embeddings.LayerNorm
+        self.dropout = embeddings.dropout
+        self.padding_idx = config.pad_token_id if family.position_offset == "padding_idx" else None
+        if isinstance(getattr(embeddings, "position_ids", None), torch.Tensor):  # HF's arange buffer, for code reading it
+            self.position_ids = nn.Buffer(embeddings.position_ids, persistent=False)
 
-
-class NPRFEncoder(BertEncoder):
-    """BertEncoder of NPRF layers. Owns the shared RPE table and the projection redraw counter.
-
-    rpe_table: [H, rpe_num_buckets] parameter (None when `rpe_shared_across_layers=False`).
-    redraw_step: non-persistent counter of training forward passes (used when
-        `feature_redraw_interval > 0`).
-    """
-
-    def __init__(self, config):
-        nn.Module.__init__(self)
-        validate_nprf_fields(config)
-        self.config = config
-        self.layer = nn.ModuleList([NPRFLayer(config, layer_idx=i) for i in range(config.num_hidden_layers)])
-        if config.rpe_shared_across_layers:
-            self.rpe_table = nn.Parameter(torch.zeros(config.num_attention_heads, config.rpe_num_buckets))
+    def make_position_ids(self, input_ids, inputs_embeds, past_key_values_length):
+        """[B or 1, L] position of every token."""
+        if input_ids is not None:
+            device, (batch, length) = input_ids.device, input_ids.shape
         else:
-            self.rpe_table = None
-        self.redraw_step = nn.Buffer(torch.zeros((), dtype=torch.long), persistent=False)
+            device, (batch, length) = inputs_embeds.device, inputs_embeds.shape[:2]
+        if self.padding_idx is None:
+            return torch.arange(past_key_values_length, past_key_values_length + length, device=device)[None]
+        if input_ids is None:  # every token is real
+            start = self.padding_idx + 1 + past_key_values_length
+            return torch.arange(start, start + length, device=device)[None]
+        real = input_ids.ne(self.padding_idx).long()
+        return (torch.cumsum(real, dim=1) + past_key_values_length) * real + self.padding_idx
 
-    def maybe_redraw_projections(self):
-        """Redraw every layer's projection each `feature_redraw_interval` training forward passes."""
-        interval = self.config.feature_redraw_interval
-        if not (self.training and interval > 0):
-            return
-        self.redraw_step += 1
-        step = int(self.redraw_step)
-        if step % interval == 0:
-            for layer in self.layer:
-                layer.attention.self.redraw_projection(step // interval)
-
-    def forward(
-        self,
-        hidden_states,
-        attention_mask=None,
-        encoder_hidden_states=None,
-        encoder_attention_mask=None,
-        past_key_values=None,
-        use_cache=None,
-        **kwargs,
-    ):
-        self.maybe_redraw_projections()
-        if attention_mask is not None and attention_mask.dim() == 4:
-            # Once for all layers: a padding (+ causal) mask becomes a [B, Lk] key padding mask.
-            batch_size, query_length = hidden_states.shape[:2]
-            past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
-            key_padding_mask, _ = split_attention_mask(
-                attention_mask,
-                query_length,
-                past_length + query_length,
-                self.config.is_decoder,
-                batch_size,
-                self.config.num_attention_heads,
-            )
-            if key_padding_mask is not None:
-                attention_mask = key_padding_mask
-        if self.rpe_table is not None:
-            kwargs["rpe_table"] = self.rpe_table
-        for layer_module in self.layer:
-            hidden_states = layer_module(
-                hidden_states,
-                attention_mask,
-                encoder_hidden_states,  # as a positional argument for gradient checkpointing
-                encoder_attention_mask=encoder_attention_mask,
-                past_key_values=past_key_values,
-                **kwargs,
-            )
-        return BaseModelOutputWithPastAndCrossAttentions(
-            last_hidden_state=hidden_states,
-            past_key_values=past_key_values if use_cache else None,
-        )
+    def forward(self, input_ids=None, token_type_ids=None, position_ids=None, inputs_embeds=None, past_key_values_length=0):
+        check_embedding_ids(self, input_ids, token_type_ids, position_ids)
+        if inputs_embeds is None:
+            inputs_embeds = self.word_embeddings(input_ids)
+        embeddings = inputs_embeds
+        if self.token_type_embeddings is not None:
+            if token_type_ids is None:
+                token_type_ids = torch.zeros(inputs_embeds.shape[:2], dtype=torch.long, device=inputs_embeds.device)
+            embeddings = embeddings + self.token_type_embeddings(token_type_ids)
+        if self.position_embeddings is not None:
+            if position_ids is None:
+                position_ids = self.make_position_ids(input_ids, inputs_embeds, past_key_values_length)
+                last, limit = int(position_ids.max()) if position_ids.numel() else 0, self.position_embeddings.num_embeddings
+                if last >= limit:
+                    raise _position_limit_error(last + 1, limit)
+            embeddings = embeddings + self.position_embeddings(position_ids)
+        embeddings = self.LayerNorm(embeddings)
+        return self.dropout(embeddings)
 
 
-def check_model_attention_mask(attention_mask, batch_size):
-    """The self-attention mask a model accepts: a 2D padding mask [B, L] of 0/1 or bool (1 = keep),
-    or a prepared 4D mask [B, 1 or H, Lq, Lk]; never broadcast over the batch."""
-    if attention_mask.dim() not in (2, 4):
-        raise ValueError(
-            "attention_mask must be 2D [batch, seq_len] (1 = keep, 0 = padding) or a 4D mask "
-            f"[batch, 1, query_len, key_len], got a {attention_mask.dim()}D tensor of shape {tuple(attention_mask.shape)}"
-        )
-    if attention_mask.shape[0] != batch_size:
-        raise ValueError(
-            f"attention_mask has batch size {attention_mask.shape[0]} but the input has batch size {batch_size} "
-            f"(shape {tuple(attention_mask.shape)}; a mask is not broadcast over the batch)"
-        )
-    if attention_mask.dim() == 2 and attention_mask.dtype != torch.bool and not torch.compiler.is_compiling():
-        if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
-            raise ValueError(
-                "2D attention_mask must hold only 0/1 or booleans (1 = keep, 0 = padding); got other values "
-                "(an additive 0 / -inf mask? pass the tokenizer's 0/1 mask instead)"
-            )
+class NPRFDistilBertEmbeddings(NPRFEmbeddings):
+    """DistilBERT calls its embeddings as (input_ids, inputs_embeds, position_ids)."""
+
+    def forward(self, input_ids=None, inputs_embeds=None, position_ids=None):
+        return super().forward(input_ids=input_ids, position_ids=position_ids, inputs_embeds=inputs_embeds)
 
 
-def create_nprf_attention_masks(
-    model, attention_mask, encoder_attention_mask, embedding_output, encoder_hidden_states, past_key_values
-):
-    """`_create_attention_masks` of the NPRF models. For the self-attention a 2D padding mask [B, Lk]
-    (the tokenizer's) stays a bool key padding mask and None stays None (causality comes from
-    `is_decoder`), so no L x L mask is ever built; a 4D mask goes through HF's builders as in BERT.
-    The cross-attention mask is HF's, unchanged."""
-    if attention_mask is not None:
-        check_model_attention_mask(attention_mask, embedding_output.shape[0])
-    if attention_mask is not None and attention_mask.dim() != 2:
-        return BertModel._create_attention_masks(
-            model, attention_mask, encoder_attention_mask, embedding_output, encoder_hidden_states, past_key_values
-        )
-    if attention_mask is not None:
-        attention_mask = attention_mask.bool()
-    if encoder_attention_mask is not None:
-        encoder_attention_mask = create_bidirectional_mask(
-            config=model.config,
-            inputs_embeds=embedding_output,
-            attention_mask=encoder_attention_mask,
-            encoder_hidden_states=encoder_hidden_states,
-        )
-    return attention_mask, encoder_attention_mask
-
-
-def _unit_scale_logit(config):
-    """The logit_scale_logit that gives s = 1 (the paper's NPRF) under `logit_scale_max`."""
-    return -math.log(config.logit_scale_max - 1.0)
-
-
-def _init_nprf_weights(module):
-    """Initialize what the NPRF modules add (called from `_init_weights`, also after a meta-device build)."""
-    if isinstance(module, NPRFSelfAttention):
-        init.copy_(module.projection, module.draw_projection(0))
-        if module.rpe_table is not None:
-            init.zeros_(module.rpe_table)
-        if module.logit_scale_logit is not None:
-            init.constant_(module.logit_scale_logit, _unit_scale_logit(module.config))
-        if module.cross_segment_bias is not None:
-            init.zeros_(module.cross_segment_bias)
-        if module.token_match_weight is not None:
-            init.zeros_(module.token_match_weight)
-    elif isinstance(module, NPRFEncoder):
-        if module.rpe_table is not None:
-            init.zeros_(module.rpe_table)
-        init.zeros_(module.redraw_step)
-
-
-def segment_ids_from_inputs(config, input_ids=None, token_type_ids=None):
-    """[B, L] segment of every token for `config.segment_bias`, or None when there is nothing to tell
-    apart: token_type_ids when given (BERT); for RoBERTa, whose token types are all 0, the pair layout
-    `<s> A </s></s> B </s>`: tokens after the first separator (eos_token_id) are segment 1."""
-    if config.model_type == "nprf_roberta" and input_ids is not None:
-        separators = (input_ids == config.eos_token_id).long()
-        return ((separators.cumsum(-1) - separators) > 0).long()
-    return token_type_ids
-
-
-def _forward_with_segments(model_class):
-    """`model_class.forward`, plus the segment ids the self-attention needs under `config.segment_bias`."""
-
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, **kwargs):
-        if self.config.segment_bias and kwargs.get("segment_ids") is None:
-            kwargs["segment_ids"] = segment_ids_from_inputs(self.config, input_ids, token_type_ids)
-        if self.config.token_match and kwargs.get("token_ids") is None:
-            kwargs["token_ids"] = input_ids
-        return model_class.forward(
-            self, input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, **kwargs
-        )
-
-    forward.__doc__ = model_class.forward.__doc__
-    return forward
-
-
-def _position_limit_error(length, limit):
-    return ValueError(
-        f"Input of {length} positions but position_embedding_type='absolute' has max_position_embeddings={limit} "
-        "positions. Truncate the input, extend the table with `nprf-hf convert --max-position-embeddings N`, or use "
-        "position_embedding_type='none' (relative positions only, any length)."
-    )
+# layout -> the embeddings class that replaces the family's
+EMBEDDINGS_CLASSES = {"bert": NPRFEmbeddings, "distilbert": NPRFDistilBertEmbeddings}
 
 
 def check_embedding_ids(embeddings, input_ids=None, token_type_ids=None, position_ids=None):
@@ -575,43 +465,50 @@ def check_embedding_ids(embeddings, input_ids=None, token_type_ids=None, positio
             raise ValueError(f"{name} must lie in [0, {field}={limit}), got values in [{low}, {high}]{hint}")
 
 
+def check_model_attention_mask(attention_mask, batch_size):
+    """The self-attention mask a model accepts: a 2D padding mask [B, L] of 0/1 or bool (1 = keep),
+    or a prepared 4D mask [B, 1 or H, Lq, Lk]; never broadcast over the batch."""
+    if attention_mask.dim() not in (2, 4):
+        raise ValueError(
+            "attention_mask must be 2D [batch, seq_len] (1 = keep, 0 = padding) or a 4D mask "
+            f"[batch, 1, query_len, key_len], got a {attention_mask.dim()}D tensor of shape {tuple(attention_mask.shape)}"
+        )
+    if attention_mask.shape[0] != batch_size:
+        raise ValueError(
+            f"attention_mask has batch size {attention_mask.shape[0]} but the input has batch size {batch_size} "
+            f"(shape {tuple(attention_mask.shape)}; a mask is not broadcast over the batch)"
+        )
+    if attention_mask.dim() == 2 and attention_mask.dtype != torch.bool and not torch.compiler.is_compiling():
+        if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+            raise ValueError(
+                "2D attention_mask must hold only 0/1 or booleans (1 = keep, 0 = padding); got other values "
+                "(an additive 0 / -inf mask? pass the tokenizer's 0/1 mask instead)"
+            )
+
+
 # ---------------------------------------------------------------------------------------------
-# BERT
+# Model classes, built per family from `families.FAMILIES`
 # ---------------------------------------------------------------------------------------------
 
 
-class NPRFBertEmbeddings(BertEmbeddings):
-    """BertEmbeddings; without the absolute position table when `position_embedding_type="none"`."""
+def _unit_scale_logit(config):
+    """The logit_scale_logit that gives s = 1 (the paper's NPRF) under `logit_scale_max`."""
+    return -math.log(config.logit_scale_max - 1.0)
 
-    def __init__(self, config):
-        super().__init__(config)
-        self.position_embedding_type = config.position_embedding_type
-        if config.position_embedding_type == "none":
-            self.position_embeddings = None
 
-    def forward(self, input_ids=None, token_type_ids=None, position_ids=None, inputs_embeds=None, past_key_values_length=0):
-        check_embedding_ids(self, input_ids, token_type_ids, position_ids)
-        input_shape = input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1]
-        seq_length = input_shape[1]
-        if inputs_embeds is None:
-            inputs_embeds = self.word_embeddings(input_ids)
-        if token_type_ids is None:
-            token_type_ids = torch.zeros(input_shape, dtype=torch.long, device=inputs_embeds.device)
-        embeddings = inputs_embeds + self.token_type_embeddings(token_type_ids)
-        if self.position_embeddings is not None:
-            if position_ids is None:
-                limit = self.position_embeddings.num_embeddings
-                if past_key_values_length + seq_length > limit:
-                    raise _position_limit_error(past_key_values_length + seq_length, limit)
-                position_ids = self.position_ids[:, past_key_values_length : past_key_values_length + seq_length]
-            embeddings = embeddings + self.position_embeddings(position_ids)
-        embeddings = self.LayerNorm(embeddings)
-        return self.dropout(embeddings)
+def segment_ids_from_inputs(config, input_ids=None, token_type_ids=None):
+    """[B, L] segment of every token for `config.segment_bias`, or None when there is nothing to tell
+    apart: token_type_ids (BERT, ELECTRA); for RoBERTa-style families, whose token types are all 0,
+    the pair layout `<s> A </s></s> B </s>`: tokens after the first separator (eos_token_id) are segment 1."""
+    if family_of(config.model_type).segments == "separators" and input_ids is not None:
+        separators = (input_ids == config.eos_token_id).long()
+        return ((separators.cumsum(-1) - separators) > 0).long()
+    return token_type_ids
 
 
 class NPRFPreTrainedMixin:
-    """What the BERT and RoBERTa NPRF pre-trained bases share: masks come as HF builds them for sdpa /
-    eager (no flash / flex / attention backends), and `_init_weights` also (re)builds the NPRF tensors."""
+    """What every NPRF pre-trained base adds to its family's: masks come as the NPRF base model builds
+    them (no flash / flex / attention backends), and `_init_weights` also (re)builds the NPRF tensors."""
 
     _supports_flash_attn = False
     _supports_flex_attn = False
@@ -619,259 +516,173 @@ class NPRFPreTrainedMixin:
     # The heads' losses are batch means that ignore `num_items_in_batch`: tell the Trainer, or it scales
     # them by the number of processes and skips the division by the accumulation steps.
     accepts_loss_kwargs = False
-    _can_record_outputs = {
-        "hidden_states": NPRFLayer,
-        "attentions": NPRFSelfAttention,
-        "cross_attentions": BertCrossAttention,
-    }
+    # transformers guesses from this file's source whether `set_attn_implementation` is safe; it is: the
+    # NPRF self-attention reads no implementation, HF's cross-attention and mask builders follow it
+    _can_set_attn_implementation_cached_value = True
 
     @torch.no_grad()
     def _init_weights(self, module):
         super()._init_weights(module)
-        _init_nprf_weights(module)
+        if isinstance(module, NPRFSelfAttention):
+            init.copy_(module.projection, module.draw_projection(0))
+            for name in ("rpe_table", "cross_segment_bias", "token_match_weight"):
+                if getattr(module, name) is not None:
+                    init.zeros_(getattr(module, name))
+            if module.logit_scale_logit is not None:
+                init.constant_(module.logit_scale_logit, _unit_scale_logit(module.config))
+        elif isinstance(module, NPRFEmbeddings) and hasattr(module, "position_ids"):
+            init.copy_(module.position_ids, torch.arange(module.position_ids.shape[-1]).expand((1, -1)))
+        elif isinstance(getattr(module, "redraw_step", None), torch.Tensor):  # the encoder of an NPRF base model
+            if module.rpe_table is not None:
+                init.zeros_(module.rpe_table)
+            init.zeros_(module.redraw_step)
 
 
-class NPRFBertPreTrainedModel(NPRFPreTrainedMixin, BertPreTrainedModel):
-    config: NPRFBertConfig
-    config_class = NPRFBertConfig
-    base_model_prefix = "bert"
-    _no_split_modules = ["NPRFBertEmbeddings", "NPRFLayer"]
+class NPRFModelMixin:
+    """The base model of an NPRF family: the family's model with NPRF self-attention in every layer.
 
+    The layer stack (`encoder` / `transformer`) gains the shared `rpe_table` [H, rpe_num_buckets]
+    (None when `rpe_shared_across_layers=False`) and `redraw_step`, a non-persistent counter of
+    training forward passes (used when `feature_redraw_interval > 0`). Forward: as the family's model.
+    """
 
-class NPRFBertModel(NPRFBertPreTrainedModel, BertModel):
-    """BertModel with NPRF attention. Forward: as [`BertModel`]."""
+    family = None  # set per class
 
-    def __init__(self, config, add_pooling_layer=True):
-        PreTrainedModel.__init__(self, config)
-        self.config = config
-        self.gradient_checkpointing = False
-        self.embeddings = NPRFBertEmbeddings(config)
-        self.encoder = NPRFEncoder(config)
-        self.pooler = BertPooler(config) if add_pooling_layer else None
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        validate_nprf_fields(config)
+        layout = ATTENTION_LAYOUTS[self.family.layout]
+        self.embeddings = EMBEDDINGS_CLASSES[self.family.layout](config, self.family, self.embeddings)
+        encoder = getattr(self, layout.encoder)
+        parent_path, _, name = layout.self_attention.rpartition(".")
+        for index, layer in enumerate(getattr(encoder, layout.layers)):
+            parent = layer.get_submodule(parent_path) if parent_path else layer
+            setattr(parent, name, NPRFSelfAttention.adopt(getattr(parent, name), config, layout, index))
+        shared = config.rpe_shared_across_layers
+        encoder.rpe_table = nn.Parameter(torch.zeros(config.num_attention_heads, config.rpe_num_buckets)) if shared else None
+        encoder.redraw_step = nn.Buffer(torch.zeros((), dtype=torch.long), persistent=False)
         self.post_init()
 
-    _create_attention_masks = create_nprf_attention_masks
+    def nprf_attentions(self):
+        """The NPRF self-attention of every layer, in order."""
+        return [module for module in self.modules() if isinstance(module, NPRFSelfAttention)]
 
-    forward = _forward_with_segments(BertModel)
+    def maybe_redraw_projections(self):
+        """Redraw every layer's projection each `feature_redraw_interval` training forward passes."""
+        interval = self.config.feature_redraw_interval
+        if not (self.training and interval > 0):
+            return
+        encoder = getattr(self, ATTENTION_LAYOUTS[self.family.layout].encoder)
+        encoder.redraw_step += 1
+        step = int(encoder.redraw_step)
+        if step % interval == 0:
+            for attention in self.nprf_attentions():
+                attention.redraw_projection(step // interval)
+
+    def forward(self, *args, **kwargs):
+        bound = self._forward_signature.bind_partial(self, *args, **kwargs).arguments
+        bound.pop("self")
+        arguments = {**bound.pop("kwargs", {}), **bound}
+        input_ids, inputs_embeds = arguments.get("input_ids"), arguments.get("inputs_embeds")
+        reference = input_ids if input_ids is not None else inputs_embeds
+        attention_mask = arguments.get("attention_mask")
+        if attention_mask is not None and reference is not None:
+            check_model_attention_mask(attention_mask, reference.shape[0])
+            past = arguments.get("past_key_values")
+            query_length = reference.shape[1]
+            key_length = query_length + (past.get_seq_length() if past is not None else 0)
+            arguments["attention_mask"] = normalize_attention_mask(
+                attention_mask, query_length, key_length, bool(getattr(self.config, "is_decoder", False)),
+                self.config.num_attention_heads,
+            )
+        self.maybe_redraw_projections()
+        encoder = getattr(self, ATTENTION_LAYOUTS[self.family.layout].encoder)
+        if encoder.rpe_table is not None:
+            arguments["rpe_table"] = encoder.rpe_table
+        if self.config.segment_bias and arguments.get("segment_ids") is None:
+            arguments["segment_ids"] = segment_ids_from_inputs(self.config, input_ids, arguments.get("token_type_ids"))
+        if self.config.token_match and arguments.get("token_ids") is None:
+            arguments["token_ids"] = input_ids
+        return super().forward(**arguments)
 
 
-class NPRFBertForMaskedLM(NPRFBertPreTrainedModel, BertForMaskedLM):
-    def __init__(self, config):
-        PreTrainedModel.__init__(self, config)
-        if config.is_decoder:
-            logger.warning("NPRFBertForMaskedLM wants config.is_decoder=False for bi-directional self-attention.")
-        self.bert = NPRFBertModel(config, add_pooling_layer=False)
-        self.cls = BertOnlyMLMHead(config)
-        self.post_init()
+def _with_base_model(function, base_name, base_class):
+    """`function` (a transformers head's `__init__`) with the name of its family's base model bound to
+    `base_class`: transformers' own head code then builds the NPRF base model. The function's module
+    globals are copied, not changed."""
+    scope = dict(function.__globals__)
+    scope[base_name] = base_class
+    rebound = types.FunctionType(function.__code__, scope, function.__name__, function.__defaults__, function.__closure__)
+    rebound.__kwdefaults__ = function.__kwdefaults__
+    rebound.__doc__ = function.__doc__
+    return rebound
 
 
-class NPRFBertForSequenceClassification(NPRFBertPreTrainedModel, BertForSequenceClassification):
-    def __init__(self, config):
-        PreTrainedModel.__init__(self, config)
-        self.num_labels = config.num_labels
-        self.config = config
-        self.bert = NPRFBertModel(config)
-        classifier_dropout = (
-            config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+def _nprf_classes(family):
+    """{head name: NPRF class} of one family, plus its pre-trained base class under None."""
+    config_class = NPRF_CONFIG_CLASSES[family.model_type]
+    hf_pretrained = getattr(transformers, family.prefix + "PreTrainedModel")
+    hf_model = getattr(transformers, family.class_name("model", nprf=False))
+    namespace = {"__module__": __name__}
+
+    def make(name, bases, body):
+        return type(name, bases, {**namespace, "__qualname__": name, **body})
+
+    pretrained = make(
+        family.nprf_prefix + "PreTrainedModel",
+        (NPRFPreTrainedMixin, hf_pretrained),
+        {
+            "config_class": config_class,
+            "_no_split_modules": [*(hf_pretrained._no_split_modules or []), "NPRFEmbeddings"],
+            "_can_record_outputs": {**(hf_pretrained._can_record_outputs or {}), "attentions": NPRFSelfAttention},
+        },
+    )
+    model = make(
+        family.class_name("model"),
+        (NPRFModelMixin, pretrained, hf_model),
+        {
+            "__doc__": f"{hf_model.__name__} with NPRF self-attention. Forward: as [`{hf_model.__name__}`].",
+            "family": family,
+            "_forward_signature": inspect.signature(hf_model.forward),
+        },
+    )
+    classes = {None: pretrained, "model": model}
+    for head in family.heads:
+        if head == "model":
+            continue
+        hf_head = getattr(transformers, family.class_name(head, nprf=False))
+        classes[head] = make(
+            family.class_name(head),
+            (pretrained, hf_head),
+            {
+                "__doc__": f"{hf_head.__name__} on [`{model.__name__}`]. Forward: as [`{hf_head.__name__}`].",
+                "__init__": _with_base_model(hf_head.__init__, hf_model.__name__, model),
+            },
         )
-        self.dropout = nn.Dropout(classifier_dropout)
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
-        self.post_init()
-
-
-class NPRFBertForTokenClassification(NPRFBertPreTrainedModel, BertForTokenClassification):
-    def __init__(self, config):
-        PreTrainedModel.__init__(self, config)
-        self.num_labels = config.num_labels
-        self.bert = NPRFBertModel(config, add_pooling_layer=False)
-        classifier_dropout = (
-            config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
-        )
-        self.dropout = nn.Dropout(classifier_dropout)
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
-        self.post_init()
-
-
-class NPRFBertForQuestionAnswering(NPRFBertPreTrainedModel, BertForQuestionAnswering):
-    def __init__(self, config):
-        PreTrainedModel.__init__(self, config)
-        self.num_labels = config.num_labels
-        self.bert = NPRFBertModel(config, add_pooling_layer=False)
-        self.qa_outputs = nn.Linear(config.hidden_size, config.num_labels)
-        self.post_init()
-
-
-class NPRFBertForMultipleChoice(NPRFBertPreTrainedModel, BertForMultipleChoice):
-    def __init__(self, config):
-        PreTrainedModel.__init__(self, config)
-        self.bert = NPRFBertModel(config)
-        classifier_dropout = (
-            config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
-        )
-        self.dropout = nn.Dropout(classifier_dropout)
-        self.classifier = nn.Linear(config.hidden_size, 1)
-        self.post_init()
+    return classes
 
 
 # ---------------------------------------------------------------------------------------------
-# RoBERTa
+# Remote code: save_pretrained copies this file, configuration_nprf.py, families.py and
+# functional.py next to the weights; the configs carry the full auto_map (configuration_nprf.nprf_auto_map).
 # ---------------------------------------------------------------------------------------------
 
-
-class NPRFRobertaEmbeddings(RobertaEmbeddings):
-    """RobertaEmbeddings (positions from padding_idx + 1); no position table when `position_embedding_type="none"`."""
-
-    def __init__(self, config):
-        super().__init__(config)
-        self.position_embedding_type = config.position_embedding_type
-        if config.position_embedding_type == "none":
-            self.position_embeddings = None
-
-    def forward(self, input_ids=None, token_type_ids=None, position_ids=None, inputs_embeds=None, past_key_values_length=0):
-        check_embedding_ids(self, input_ids, token_type_ids, position_ids)
-        input_shape = input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1]
-        seq_length = input_shape[1]
-        if token_type_ids is None:
-            device = input_ids.device if input_ids is not None else inputs_embeds.device
-            token_type_ids = torch.zeros(input_shape, dtype=torch.long, device=device)
-        if self.position_embeddings is not None and position_ids is None:
-            limit = self.position_embeddings.num_embeddings
-            if past_key_values_length + seq_length + self.padding_idx + 1 > limit:
-                raise _position_limit_error(past_key_values_length + seq_length + self.padding_idx + 1, limit)
-            if input_ids is not None:
-                position_ids = self.create_position_ids_from_input_ids(input_ids, self.padding_idx, past_key_values_length)
-            else:
-                position_ids = self.create_position_ids_from_inputs_embeds(inputs_embeds, self.padding_idx)
-        if inputs_embeds is None:
-            inputs_embeds = self.word_embeddings(input_ids)
-        embeddings = inputs_embeds + self.token_type_embeddings(token_type_ids)
-        if self.position_embeddings is not None:
-            embeddings = embeddings + self.position_embeddings(position_ids)
-        embeddings = self.LayerNorm(embeddings)
-        return self.dropout(embeddings)
+NPRF_MODEL_CLASSES = {model_type: _nprf_classes(family) for model_type, family in FAMILIES.items()}
+for _family_classes in NPRF_MODEL_CLASSES.values():
+    for _head, _model_class in _family_classes.items():
+        globals()[_model_class.__name__] = _model_class
+        if _head is not None:
+            _model_class.register_for_auto_class(HEADS[_head].auto_class)
+for _config_class in NPRF_CONFIG_CLASSES.values():
+    _config_class.register_for_auto_class()
 
 
-class NPRFRobertaPreTrainedModel(NPRFPreTrainedMixin, RobertaPreTrainedModel):
-    config: NPRFRobertaConfig
-    config_class = NPRFRobertaConfig
-    base_model_prefix = "roberta"
-    _no_split_modules = ["NPRFRobertaEmbeddings", "NPRFLayer"]
+__all__ = [cls.__name__ for classes in NPRF_MODEL_CLASSES.values() for cls in classes.values()]
 
 
-class NPRFRobertaModel(NPRFRobertaPreTrainedModel, RobertaModel):
-    """RobertaModel with NPRF attention. Forward: as [`RobertaModel`]."""
-
-    def __init__(self, config, add_pooling_layer=True):
-        PreTrainedModel.__init__(self, config)
-        self.config = config
-        self.gradient_checkpointing = False
-        self.embeddings = NPRFRobertaEmbeddings(config)
-        self.encoder = NPRFEncoder(config)
-        self.pooler = RobertaPooler(config) if add_pooling_layer else None
-        self.post_init()
-
-    _create_attention_masks = create_nprf_attention_masks
-    forward = _forward_with_segments(RobertaModel)
-
-
-class NPRFRobertaForCausalLM(NPRFRobertaPreTrainedModel, RobertaForCausalLM):
-    """Causal LM: with `config.is_decoder=True` the NPRF self-attention is causal (unidirectional buckets)."""
-
-    def __init__(self, config):
-        PreTrainedModel.__init__(self, config)
-        if not config.is_decoder:
-            logger.warning("If you want to use `NPRFRobertaForCausalLM` as a standalone, add `is_decoder=True.`")
-        self.roberta = NPRFRobertaModel(config, add_pooling_layer=False)
-        self.lm_head = RobertaLMHead(config)
-        self.post_init()
-
-
-class NPRFRobertaForMaskedLM(NPRFRobertaPreTrainedModel, RobertaForMaskedLM):
-    def __init__(self, config):
-        PreTrainedModel.__init__(self, config)
-        if config.is_decoder:
-            logger.warning("NPRFRobertaForMaskedLM wants config.is_decoder=False for bi-directional self-attention.")
-        self.roberta = NPRFRobertaModel(config, add_pooling_layer=False)
-        self.lm_head = RobertaLMHead(config)
-        self.post_init()
-
-
-class NPRFRobertaForSequenceClassification(NPRFRobertaPreTrainedModel, RobertaForSequenceClassification):
-    def __init__(self, config):
-        PreTrainedModel.__init__(self, config)
-        self.num_labels = config.num_labels
-        self.config = config
-        self.roberta = NPRFRobertaModel(config, add_pooling_layer=False)
-        self.classifier = RobertaClassificationHead(config)
-        self.post_init()
-
-
-class NPRFRobertaForTokenClassification(NPRFRobertaPreTrainedModel, RobertaForTokenClassification):
-    def __init__(self, config):
-        PreTrainedModel.__init__(self, config)
-        self.num_labels = config.num_labels
-        self.roberta = NPRFRobertaModel(config, add_pooling_layer=False)
-        classifier_dropout = (
-            config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
-        )
-        self.dropout = nn.Dropout(classifier_dropout)
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
-        self.post_init()
-
-
-class NPRFRobertaForQuestionAnswering(NPRFRobertaPreTrainedModel, RobertaForQuestionAnswering):
-    def __init__(self, config):
-        PreTrainedModel.__init__(self, config)
-        self.num_labels = config.num_labels
-        self.roberta = NPRFRobertaModel(config, add_pooling_layer=False)
-        self.qa_outputs = nn.Linear(config.hidden_size, config.num_labels)
-        self.post_init()
-
-
-class NPRFRobertaForMultipleChoice(NPRFRobertaPreTrainedModel, RobertaForMultipleChoice):
-    def __init__(self, config):
-        PreTrainedModel.__init__(self, config)
-        self.roberta = NPRFRobertaModel(config)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
-        self.classifier = nn.Linear(config.hidden_size, 1)
-        self.post_init()
-
-
-# ---------------------------------------------------------------------------------------------
-# Remote code: save_pretrained copies this file, configuration_nprf.py and functional.py next to
-# the weights; the configs carry the full auto_map (configuration_nprf.NPRF_*_AUTO_MAP).
-# ---------------------------------------------------------------------------------------------
-
-AUTO_CLASSES = {
-    "AutoModel": (NPRFBertModel, NPRFRobertaModel),
-    "AutoModelForMaskedLM": (NPRFBertForMaskedLM, NPRFRobertaForMaskedLM),
-    "AutoModelForSequenceClassification": (NPRFBertForSequenceClassification, NPRFRobertaForSequenceClassification),
-    "AutoModelForTokenClassification": (NPRFBertForTokenClassification, NPRFRobertaForTokenClassification),
-    "AutoModelForQuestionAnswering": (NPRFBertForQuestionAnswering, NPRFRobertaForQuestionAnswering),
-    "AutoModelForMultipleChoice": (NPRFBertForMultipleChoice, NPRFRobertaForMultipleChoice),
-    "AutoModelForCausalLM": (NPRFRobertaForCausalLM,),
-}
-for _auto_class, _model_classes in AUTO_CLASSES.items():
-    for _model_class in _model_classes:
-        _model_class.register_for_auto_class(_auto_class)
-NPRFBertConfig.register_for_auto_class()
-NPRFRobertaConfig.register_for_auto_class()
-
-
-__all__ = [
-    "NPRFBertModel",
-    "NPRFBertForMaskedLM",
-    "NPRFBertForSequenceClassification",
-    "NPRFBertForTokenClassification",
-    "NPRFBertForQuestionAnswering",
-    "NPRFBertForMultipleChoice",
-    "NPRFBertPreTrainedModel",
-    "NPRFRobertaModel",
-    "NPRFRobertaForMaskedLM",
-    "NPRFRobertaForSequenceClassification",
-    "NPRFRobertaForTokenClassification",
-    "NPRFRobertaForQuestionAnswering",
-    "NPRFRobertaForMultipleChoice",
-    "NPRFRobertaForCausalLM",
-    "NPRFRobertaPreTrainedModel",
-]
+def _position_limit_error(length, limit):
+    return ValueError(
+        f"Input of {length} positions but position_embedding_type='absolute' has max_position_embeddings={limit} "
+        "positions. Truncate the input, extend the table with `nprf-hf convert --max-position-embeddings N`, or use "
+        "position_embedding_type='none' (relative positions only, any length)."
+    )

@@ -29,9 +29,8 @@ import torch
 
 Text = Union[str, Tuple[str, str]]
 
-# Parameter names (relative to a layer's `attention.self`) that the transfer trains by default.
-ATTENTION_PARAMETERS = ("query.", "key.", "rpe_table", "logit_scale_logit", "cross_segment_bias", "token_match_weight")
-VALUE_OUTPUT_PARAMETERS = ("value.",)
+# The transfer trains the query/key projections and these parameters of each self-attention (and the
+# shared RPE table); with train_value_output also the value and output projections.
 # The RPE tables and logit scales are biases in logit units, far from where they must go (a zero table,
 # s = 1): Adam moves a parameter by about its rate per step, so they get a rate of their own.
 TABLE_PARAMETERS = ("rpe_table", "logit_scale_logit", "cross_segment_bias", "token_match_weight")
@@ -100,41 +99,53 @@ def read_transfer_texts(path: str, task_name: Optional[str] = None) -> List[Text
     return texts
 
 
+def _layout(model):
+    from .families import ATTENTION_LAYOUTS, family_of
+
+    return ATTENTION_LAYOUTS[family_of(model.config.model_type).layout]
+
+
 def _layers(model):
-    encoder = getattr(model.base_model, "encoder", None)
-    layers = getattr(encoder, "layer", None)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__} has no encoder.layer: attention transfer needs a BERT/RoBERTa-layout model")
-    return encoder, list(layers)
+    """(layer stack module, its layers) of a model of any supported family."""
+    layout = _layout(model)
+    encoder = getattr(model.base_model, layout.encoder)
+    return encoder, list(getattr(encoder, layout.layers))
 
 
 def _trainable(student, train_value_output):
     """(name, parameter) of what the transfer trains: the attention's own parameters."""
-    wanted = ATTENTION_PARAMETERS + (VALUE_OUTPUT_PARAMETERS if train_value_output else ())
+    layout = _layout(student)
+    wanted = (layout.query + ".", layout.key + ".", *TABLE_PARAMETERS)
+    if train_value_output:
+        wanted += (layout.value + ".",)
     chosen = []
     for name, param in student.base_model.named_parameters():
-        if name == "encoder.rpe_table":
+        if name == f"{layout.encoder}.rpe_table":
             chosen.append((name, param))
-            continue
-        if ".attention.self." in name:
-            local = name.split(".attention.self.", 1)[1]
+        elif train_value_output and f".{layout.output_projection}." in name:
+            chosen.append((name, param))
+        elif f".{layout.self_attention}." in name:
+            local = name.split(f".{layout.self_attention}.", 1)[1]
             if local.startswith(wanted):
                 chosen.append((name, param))
-        elif train_value_output and ".attention.output.dense." in name:
-            chosen.append((name, param))
     return chosen
 
 
 class _TeacherRecorder:
     """Forward hooks on the teacher's layers: each layer's input and its attention's output projection."""
 
-    def __init__(self, layers):
+    def __init__(self, layers, layout=None):
+        from .families import ATTENTION_LAYOUTS
+
+        layout = layout or ATTENTION_LAYOUTS["bert"]
         self.inputs = [None] * len(layers)
         self.outputs = [None] * len(layers)
         self.handles = []
         for index, layer in enumerate(layers):
-            self.handles.append(layer.attention.register_forward_pre_hook(self._input_hook(index), with_kwargs=True))
-            self.handles.append(layer.attention.output.dense.register_forward_hook(self._output_hook(index)))
+            attention = layer.get_submodule(layout.self_attention)
+            self.handles.append(attention.register_forward_pre_hook(self._input_hook(index), with_kwargs=True))
+            projection = layer.get_submodule(layout.output_projection)
+            self.handles.append(projection.register_forward_hook(self._output_hook(index)))
 
     def _input_hook(self, index):
         def hook(module, args, kwargs):
@@ -163,16 +174,20 @@ def _encode(tokenizer, texts, max_length, device):
     return {k: v.to(device) for k, v in batch.items() if k in keep}
 
 
-def _layer_errors(student_layers, student_encoder, recorder, mask, segment_ids=None, token_ids=None):
+def _layer_errors(student_layers, student_encoder, recorder, mask, segment_ids=None, token_ids=None, layout=None):
     """[L] relative squared error of each student layer's attention output (teacher inputs), real tokens only."""
+    from .families import ATTENTION_LAYOUTS
+
+    layout = layout or ATTENTION_LAYOUTS["bert"]
     weight = mask.to(recorder.outputs[0].dtype)[..., None]
     shared_table = getattr(student_encoder, "rpe_table", None)
     errors = []
     for layer, hidden, target in zip(student_layers, recorder.inputs, recorder.outputs):
-        context, _ = layer.attention.self(
+        output, _ = layer.get_submodule(layout.self_attention)(
             hidden, attention_mask=mask, rpe_table=shared_table, segment_ids=segment_ids, token_ids=token_ids
         )
-        output = layer.attention.output.dense(context)
+        if layout.output is None:  # the layer, not the self-attention, applies the output projection
+            output = layer.get_submodule(layout.output_projection)(output)
         numerator = ((output - target).square() * weight).sum()
         denominator = (target.square() * weight).sum().clamp_min(1e-12)
         errors.append(numerator / denominator)
@@ -186,7 +201,7 @@ def _check_pair(student, teacher):
     if teacher_config.model_type.startswith("nprf_"):
         raise ValueError("the teacher must be the softmax source model, not an NPRF model")
     for name in ("num_hidden_layers", "hidden_size", "num_attention_heads", "is_decoder"):
-        if getattr(student_config, name) != getattr(teacher_config, name):
+        if getattr(student_config, name, None) != getattr(teacher_config, name, None):
             raise ValueError(
                 f"student and teacher differ in {name} ({getattr(student_config, name)} vs "
                 f"{getattr(teacher_config, name)}): the student must be the teacher's conversion"
@@ -245,7 +260,9 @@ def attention_transfer(
         raise ValueError("eval_texts is empty: give texts for the before/after report, or leave it None")
     config = teacher.config
     if getattr(config, "position_embedding_type", "absolute") == "absolute":
-        offset = config.pad_token_id + 1 if config.model_type == "roberta" else 0
+        from .families import position_offset
+
+        offset = position_offset(config)
         if max_length > config.max_position_embeddings - offset:
             raise ValueError(
                 f"max_length={max_length} exceeds the source's {config.max_position_embeddings - offset} positions: "
@@ -268,7 +285,7 @@ def attention_transfer(
 
     generator = torch.Generator().manual_seed(seed)
     eval_sets = [eval_pool[i : i + batch_size] for i in range(0, len(eval_pool), batch_size)]
-    recorder = _TeacherRecorder(teacher_layers)
+    recorder = _TeacherRecorder(teacher_layers, _layout(teacher))
 
     def teacher_pass(batch):
         with torch.no_grad():
@@ -283,7 +300,7 @@ def attention_transfer(
             segment_ids = segment_ids_from_inputs(student.config, batch["input_ids"], batch.get("token_type_ids"))
         if getattr(student.config, "token_match", False):
             token_ids = batch["input_ids"]
-        return _layer_errors(student_layers, student_encoder, recorder, mask, segment_ids, token_ids)
+        return _layer_errors(student_layers, student_encoder, recorder, mask, segment_ids, token_ids, _layout(student))
 
     def evaluate():
         total, count = None, 0
