@@ -261,6 +261,7 @@ class NPRFSelfAttention(nn.Module):
         rpe_table=None,
         segment_ids=None,
         token_ids=None,
+        rpe_bias=None,
         **kwargs,
     ):
         """
@@ -274,6 +275,8 @@ class NPRFSelfAttention(nn.Module):
             segment_ids: [B, L] segment of every token (`segment_ids_from_inputs`), used with
                 `config.segment_bias`; None = one segment.
             token_ids: [B, L] input ids, used with `config.token_match`.
+            rpe_bias: [H, 2 Lk - 1], the shared table's relative bias, computed once per forward by the base
+                model (layers with a table of their own ignore it).
         Returns:
             (attn_output [B, Lq, hidden], attn_weights [B, H, Lq, Lk] or None).
         """
@@ -297,12 +300,13 @@ class NPRFSelfAttention(nn.Module):
             # Queries are the last positions: give the cached ones zero queries, drop their rows below.
             query = F.pad(query, (0, 0, key_length - query_length, 0))
 
-        table = self.rpe_table if self.rpe_table is not None else rpe_table
-        if table is None:
-            raise ValueError("rpe_shared_across_layers=True: the encoder must pass its rpe_table to the self-attention")
-        rpe_bias = relative_position_bias(
-            table, key_length, self.bidirectional, self.config.rpe_num_buckets, self.config.rpe_max_distance
-        )
+        if self.rpe_table is not None or rpe_bias is None or rpe_bias.shape[-1] != 2 * key_length - 1:
+            table = self.rpe_table if self.rpe_table is not None else rpe_table
+            if table is None:
+                raise ValueError("rpe_shared_across_layers=True: the encoder must pass its rpe_table to the self-attention")
+            rpe_bias = relative_position_bias(
+                table, key_length, self.bidirectional, self.config.rpe_num_buckets, self.config.rpe_max_distance
+            )
         key_padding_mask, general_mask = self.mask_forms(attention_mask, query_length, key_length, query.shape[0])
 
         logit_scale = self.logit_scale()
@@ -421,9 +425,10 @@ class NPRFEmbeddings(nn.Module):
         if self.position_embeddings is not None:
             if position_ids is None:
                 position_ids = self.make_position_ids(input_ids, inputs_embeds, past_key_values_length)
-                last, limit = int(position_ids.max()) if position_ids.numel() else 0, self.position_embeddings.num_embeddings
-                if last >= limit:
-                    raise _position_limit_error(last + 1, limit)
+                if not torch.compiler.is_compiling() and position_ids.numel():  # reads the ids on the host
+                    last, limit = int(position_ids.max()), self.position_embeddings.num_embeddings
+                    if last >= limit:
+                        raise _position_limit_error(last + 1, limit)
             embeddings = embeddings + self.position_embeddings(position_ids)
         embeddings = self.LayerNorm(embeddings)
         return self.dropout(embeddings)
@@ -599,6 +604,15 @@ class NPRFModelMixin:
         encoder = getattr(self, ATTENTION_LAYOUTS[self.family.layout].encoder)
         if encoder.rpe_table is not None:
             arguments["rpe_table"] = encoder.rpe_table
+            # the shared table's bias, once for all layers; not under reentrant checkpointing, whose recomputed
+            # layers would each backpropagate through that one shared graph
+            if reference is not None and not (self.training and self.is_gradient_checkpointing):
+                past = arguments.get("past_key_values")
+                key_length = reference.shape[1] + (past.get_seq_length() if past is not None else 0)
+                causal = bool(getattr(self.config, "is_decoder", False))
+                arguments["rpe_bias"] = relative_position_bias(
+                    encoder.rpe_table, key_length, not causal, self.config.rpe_num_buckets, self.config.rpe_max_distance
+                )
         if self.config.segment_bias and arguments.get("segment_ids") is None:
             arguments["segment_ids"] = segment_ids_from_inputs(self.config, input_ids, arguments.get("token_type_ids"))
         if self.config.token_match and arguments.get("token_ids") is None:
