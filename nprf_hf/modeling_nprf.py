@@ -80,6 +80,7 @@ from transformers.models.roberta.modeling_roberta import (
 )
 from transformers.utils import logging
 
+from .cache_nprf import NPRFGenerationMixin, default_decoder_cache, find_nprf_cache
 from .configuration_nprf import NPRFBertConfig, NPRFRobertaConfig, validate_nprf_fields
 from .functional import (
     draw_projection,
@@ -261,6 +262,11 @@ class NPRFSelfAttention(BertSelfAttention):
         key = self.key(hidden_states).view(hidden_shape).transpose(1, 2)
         value = self.value(hidden_states).view(hidden_shape).transpose(1, 2)
 
+        nprf_cache = find_nprf_cache(past_key_values)
+        if nprf_cache is not None:
+            attn_output = self._recurrent_attention(nprf_cache, query, key, value, attention_mask, rpe_table, kwargs)
+            return attn_output.transpose(1, 2).reshape(*input_shape, -1).contiguous(), None
+
         if past_key_values is not None:
             cache = past_key_values
             if isinstance(past_key_values, EncoderDecoderCache):
@@ -347,6 +353,46 @@ class NPRFSelfAttention(BertSelfAttention):
         return attn_output, (attn_weights if output_attentions else None)
 
 
+    def _recurrent_attention(self, cache, query, key, value, attention_mask, rpe_table, kwargs):
+        """Decoder self-attention through an NPRFCache (`cache_nprf`): constant cost per generated token.
+        query / key / value [B, H, Lq, d] of the new tokens -> [B, H, Lq, d]."""
+        if not self.is_causal:
+            raise ValueError("NPRFCache is for decoder self-attention (config.is_decoder=True)")
+        output_attentions = kwargs.get("output_attentions")
+        if output_attentions or (output_attentions is None and getattr(self.config, "output_attentions", False)):
+            raise ValueError(
+                "output_attentions=True needs every past key, which NPRFCache does not keep: generate with "
+                "cache_implementation='dynamic' (or use_cache=False) to get attention weights"
+            )
+        table = self.rpe_table if self.rpe_table is not None else rpe_table
+        if table is None:
+            raise ValueError("rpe_shared_across_layers=True: the encoder must pass its rpe_table to the self-attention")
+        query_length = query.shape[2]
+        key_length = cache.get_seq_length(self.layer_idx) + query_length
+        key_padding_mask, general_mask = split_attention_mask(
+            attention_mask, query_length, key_length, True, query.shape[0], self.num_attention_heads
+        )
+        if general_mask is not None:
+            raise ValueError(
+                "NPRFCache applies padding masks (with the causal pattern) only; for another attention mask use "
+                "cache_implementation='dynamic' or use_cache=False"
+            )
+        return cache.attend(
+            self.layer_idx,
+            query,
+            key,
+            value,
+            key_padding_mask,
+            table,
+            self.projection,
+            self.band_width,
+            num_buckets=self.config.rpe_num_buckets,
+            max_distance=self.config.rpe_max_distance,
+            algorithm=self.config.attention_algorithm,
+            logit_scale=self.logit_scale(),
+        )
+
+
 class NPRFAttention(BertAttention):
     """BertAttention with NPRF self-attention (`.self`) and BERT's output block (`.output`)."""
 
@@ -393,11 +439,12 @@ class NPRFEncoder(BertEncoder):
         else:
             self.rpe_table = None
         self.redraw_step = nn.Buffer(torch.zeros((), dtype=torch.long), persistent=False)
+        self.redraw_suspended = False  # set by generate(): cached features must stay valid
 
     def maybe_redraw_projections(self):
         """Redraw every layer's projection each `feature_redraw_interval` training forward passes."""
         interval = self.config.feature_redraw_interval
-        if not (self.training and interval > 0):
+        if not (self.training and interval > 0) or self.redraw_suspended:
             return
         self.redraw_step += 1
         step = int(self.redraw_step)
@@ -534,6 +581,11 @@ def _forward_with_segments(model_class):
             kwargs["segment_ids"] = segment_ids_from_inputs(self.config, input_ids, token_type_ids)
         if self.config.token_match and kwargs.get("token_ids") is None:
             kwargs["token_ids"] = input_ids
+        use_cache = kwargs.get("use_cache")
+        if self.config.is_decoder and kwargs.get("past_key_values") is None and (
+            use_cache or (use_cache is None and self.config.use_cache)
+        ):  # instead of HF's growing key/value cache
+            kwargs["past_key_values"] = default_decoder_cache(self.config, kwargs.get("encoder_hidden_states") is not None)
         return model_class.forward(
             self, input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, **kwargs
         )
@@ -774,8 +826,9 @@ class NPRFRobertaModel(NPRFRobertaPreTrainedModel, RobertaModel):
     forward = _forward_with_segments(RobertaModel)
 
 
-class NPRFRobertaForCausalLM(NPRFRobertaPreTrainedModel, RobertaForCausalLM):
-    """Causal LM: with `config.is_decoder=True` the NPRF self-attention is causal (unidirectional buckets)."""
+class NPRFRobertaForCausalLM(NPRFGenerationMixin, NPRFRobertaPreTrainedModel, RobertaForCausalLM):
+    """Causal LM: with `config.is_decoder=True` the NPRF self-attention is causal (unidirectional buckets).
+    generate() decodes with an `NPRFCache` (constant cost and memory per token) unless told otherwise."""
 
     def __init__(self, config):
         PreTrainedModel.__init__(self, config)
