@@ -57,7 +57,7 @@ CASES = [
 ]
 BERT_HEADS = {name for cls, name in CASES if cls.__name__.startswith("NPRFBert")}
 ROBERTA_HEADS = {name for cls, name in CASES if cls.__name__.startswith("NPRFRoberta")}
-CODE_FILES = ("configuration_nprf.py", "modeling_nprf.py", "functional.py")
+CODE_FILES = ("configuration_nprf.py", "modeling_nprf.py", "functional.py", "cache_nprf.py")
 
 
 def build(cls):
