@@ -357,7 +357,8 @@ class NPRFGenerationMixin:
 
     `cache_implementation="dynamic"` (or a Cache passed as `past_key_values`) keeps HF's growing key/value cache,
     which NPRF attention also accepts (it then recomputes the attention over all cached keys at every step).
-    Assisted generation needs a cache that can be cropped, so it keeps the dynamic cache too.
+    Assisted generation needs a cache that can be cropped and `output_attentions=True` every past key, so both
+    keep the dynamic cache too.
     """
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, *args, **kwargs):
@@ -367,6 +368,7 @@ class NPRFGenerationMixin:
             and generation_config.cache_implementation is None
             and getattr(generation_mode, "value", generation_mode) != "assisted_generation"
             and not generation_config.is_assistant
+            and not generation_config.output_attentions  # the weights of every step need every past key
         ):
             cross_attention = model_kwargs.get("encoder_hidden_states") is not None
             model_kwargs["past_key_values"] = default_decoder_cache(self.config, cross_attention)

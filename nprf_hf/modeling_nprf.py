@@ -581,10 +581,14 @@ def _forward_with_segments(model_class):
             kwargs["segment_ids"] = segment_ids_from_inputs(self.config, input_ids, token_type_ids)
         if self.config.token_match and kwargs.get("token_ids") is None:
             kwargs["token_ids"] = input_ids
-        use_cache = kwargs.get("use_cache")
-        if self.config.is_decoder and kwargs.get("past_key_values") is None and (
-            use_cache or (use_cache is None and self.config.use_cache)
-        ):  # instead of HF's growing key/value cache
+        use_cache, output_attentions = kwargs.get("use_cache"), kwargs.get("output_attentions")
+        if (
+            self.config.is_decoder
+            and kwargs.get("past_key_values") is None
+            and (use_cache or (use_cache is None and self.config.use_cache))
+            and not (output_attentions or (output_attentions is None and self.config.output_attentions))
+            and (attention_mask is None or attention_mask.dim() == 2)
+        ):  # instead of HF's growing key/value cache (which attention weights and general 4D masks need)
             kwargs["past_key_values"] = default_decoder_cache(self.config, kwargs.get("encoder_hidden_states") is not None)
         return model_class.forward(
             self, input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, **kwargs

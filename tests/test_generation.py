@@ -287,3 +287,15 @@ def test_bad_uses_of_the_cache_raise():
     encoder = decoder(is_decoder=False)
     with pytest.raises(ValueError, match="decoder self-attention"):
         encoder.roberta(input_ids, past_key_values=NPRFCache())
+
+
+def test_output_attentions_falls_back_to_the_dynamic_cache():
+    model = decoder()
+    input_ids, mask = left_padded((30, 17), 30)
+    out = model(input_ids, attention_mask=mask, output_attentions=True)
+    assert isinstance(out.past_key_values, DynamicCache) and out.attentions[0].shape == (2, 2, 30, 30)
+    generated = model.generate(input_ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=1,
+                               output_attentions=True, return_dict_in_generate=True)
+    assert isinstance(generated.past_key_values, DynamicCache) and len(generated.attentions) == 3
+    four_d = mask.bool()[:, None, None, :] & torch.ones(30, 30, dtype=torch.bool).tril()  # a 4D mask: the old path too
+    assert isinstance(model(input_ids, attention_mask=four_d).past_key_values, DynamicCache)
