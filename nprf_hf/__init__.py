@@ -13,6 +13,7 @@ from transformers import (
 )
 
 from . import functional
+from .cache_nprf import NPRFCache
 from .configuration_nprf import NPRFBertConfig, NPRFRobertaConfig
 from .convert import convert_to_nprf
 from .transfer import TransferReport, attention_transfer, read_transfer_texts
@@ -58,6 +59,7 @@ __all__ = [
     "attention_transfer",
     "read_transfer_texts",
     "TransferReport",
+    "NPRFCache",
     "NPRFBertConfig",
     "NPRFRobertaConfig",
     "NPRFBertModel",

@@ -99,8 +99,7 @@ def recurrent_attention(phi_q, phi_k, u, far_states, ring_features, ring_values,
         # Query a of the block sits at window row ring + a; key w is at distance ring + a - w (< 0: future).
         distance = ring + torch.arange(length, device=c.device)[:, None] - torch.arange(ring + length, device=c.device)
         weights = torch.where(distance >= 0, c[:, distance.clamp(0, ring + 1)], 0.0)  # [H, length, window]
-        scores = (q @ window_features.transpose(-1, -2)).mul_(weights)
-        out = scores @ window_values
+        out = ((q @ window_features.transpose(-1, -2)) * weights) @ window_values
         out = out.addcmul_(q @ far_states, c[:, -1, None, None])  # keys older than the band: c_far [S | z]
         outputs.append(out)
         # The first `length` window keys leave the band for good: into S, z.
@@ -362,6 +361,11 @@ class NPRFGenerationMixin:
     """
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, *args, **kwargs):
+        if generation_config.cache_implementation not in (None, "dynamic", "offloaded"):
+            raise ValueError(
+                f"cache_implementation={generation_config.cache_implementation!r} is not supported by NPRF decoders: leave "
+                "it unset (NPRFCache, constant size) or use 'dynamic' (a growing key/value cache)"
+            )
         if (
             model_kwargs.get("past_key_values") is None
             and generation_config.use_cache is not False

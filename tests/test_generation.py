@@ -299,3 +299,24 @@ def test_output_attentions_falls_back_to_the_dynamic_cache():
     assert isinstance(generated.past_key_values, DynamicCache) and len(generated.attentions) == 3
     four_d = mask.bool()[:, None, None, :] & torch.ones(30, 30, dtype=torch.bool).tril()  # a 4D mask: the old path too
     assert isinstance(model(input_ids, attention_mask=four_d).past_key_values, DynamicCache)
+
+
+def test_gradients_through_the_cache_equal_those_of_the_full_forward():
+    model = decoder().train()  # dropout is 0
+    input_ids, mask = left_padded((40, 33), 60)
+    model(input_ids, attention_mask=mask, use_cache=False).logits.sum().backward()
+    expected = {name: param.grad.clone() for name, param in model.named_parameters()}
+    model.zero_grad()
+    first = model(input_ids[:, :25], attention_mask=mask[:, :25])
+    rest = model(input_ids[:, 25:], attention_mask=mask, past_key_values=first.past_key_values)
+    (first.logits.sum() + rest.logits.sum()).backward()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, expected[name], rtol=1e-9, atol=1e-9, msg=name)
+    assert expected["roberta.encoder.rpe_table"].abs().max() > 0
+
+
+def test_static_cache_implementations_are_refused():
+    model = decoder()
+    input_ids, mask = left_padded((30, 17), 30)
+    with pytest.raises(ValueError, match="cache_implementation='static' is not supported"):
+        model.generate(input_ids, attention_mask=mask, max_new_tokens=2, pad_token_id=1, cache_implementation="static")
