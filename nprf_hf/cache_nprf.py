@@ -352,7 +352,8 @@ def default_decoder_cache(config, cross_attention=False):
 
 
 class NPRFGenerationMixin:
-    """generate() of the NPRF decoders: an NPRFCache unless told otherwise, and no feature redraw while generating.
+    """generate() of the NPRF decoders: an NPRFCache unless told otherwise, no feature redraw while generating, and
+    RoBERTa's position numbering for absolute position embeddings.
 
     `cache_implementation="dynamic"` (or a Cache passed as `past_key_values`) keeps HF's growing key/value cache,
     which NPRF attention also accepts (it then recomputes the attention over all cached keys at every step).
@@ -378,6 +379,17 @@ class NPRFGenerationMixin:
             model_kwargs["past_key_values"] = default_decoder_cache(self.config, cross_attention)
             return
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, *args, **kwargs)
+
+    def _prepare_position_ids_for_generation(self, inputs_tensor, model_kwargs):
+        """generate() numbers positions from 0, RoBERTa's embeddings from padding_idx + 1 (pads: padding_idx); shift
+        them so that absolute position embeddings see what a forward pass without position_ids sees."""
+        position_ids = super()._prepare_position_ids_for_generation(inputs_tensor, model_kwargs)
+        padding_idx = getattr(getattr(self.base_model, "embeddings", None), "padding_idx", None)
+        if self.config.model_type != "nprf_roberta" or padding_idx is None or position_ids is None:
+            return position_ids
+        shifted = position_ids + padding_idx + 1
+        mask = model_kwargs.get("attention_mask")
+        return shifted if mask is None or mask.shape != shifted.shape else shifted.masked_fill(mask == 0, padding_idx)
 
     def generate(self, *args, **kwargs):
         # A redraw would change phi for the keys already in the cache (and the sequence's own attention midway).

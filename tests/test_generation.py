@@ -320,3 +320,15 @@ def test_static_cache_implementations_are_refused():
     input_ids, mask = left_padded((30, 17), 30)
     with pytest.raises(ValueError, match="cache_implementation='static' is not supported"):
         model.generate(input_ids, attention_mask=mask, max_new_tokens=2, pad_token_id=1, cache_implementation="static")
+
+
+def test_absolute_positions_are_numbered_as_in_a_forward_pass():
+    # generate() numbers positions from 0; RoBERTa's embeddings from padding_idx + 1 (HF's own
+    # RobertaForCausalLM is off by padding_idx + 1 in transformers 5.23)
+    model = decoder(position_embedding_type="absolute", max_position_embeddings=80)
+    input_ids, mask = left_padded((30, 17), 30)
+    out = model.generate(input_ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=1,
+                         return_dict_in_generate=True, output_logits=True)
+    full_mask = torch.cat([mask, torch.ones(2, 10, dtype=mask.dtype)], 1)
+    full = model(out.sequences, attention_mask=full_mask, use_cache=False).logits
+    torch.testing.assert_close(torch.stack(out.logits, 1).double(), full[:, 29:-1], rtol=0, atol=1e-5)
