@@ -71,8 +71,9 @@ def recurrent_state_from_prefill(phi_k, u, band_width):
     far = max(n - ring, 0)
     far_states = phi_k[:, :, :far].transpose(-1, -2) @ u[:, :, :far]
     missing = max(ring - n, 0)  # keys before the sequence start: zero rows, no weight
-    ring_features = torch.nn.functional.pad(phi_k[:, :, far:], (0, 0, missing, 0))
-    ring_values = torch.nn.functional.pad(u[:, :, far:], (0, 0, missing, 0))
+    # copies, not views: the state must not keep the whole prompt's features alive
+    ring_features = torch.nn.functional.pad(phi_k[:, :, far:], (0, 0, missing, 0)).clone()
+    ring_values = torch.nn.functional.pad(u[:, :, far:], (0, 0, missing, 0)).clone()
     return far_states, ring_features, ring_values
 
 
@@ -104,7 +105,7 @@ def recurrent_attention(phi_q, phi_k, u, far_states, ring_features, ring_values,
         outputs.append(out)
         # The first `length` window keys leave the band for good: into S, z.
         far_states = far_states + window_features[:, :, :length].transpose(-1, -2) @ window_values[:, :, :length]
-        ring_features, ring_values = window_features[:, :, length:], window_values[:, :, length:]
+        ring_features, ring_values = window_features[:, :, length:].clone(), window_values[:, :, length:].clone()
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-2)
     return out, far_states, ring_features, ring_values
 

@@ -352,7 +352,6 @@ class NPRFSelfAttention(BertSelfAttention):
         attn_output = attn_output.transpose(1, 2).reshape(*input_shape, -1).contiguous()
         return attn_output, (attn_weights if output_attentions else None)
 
-
     def _recurrent_attention(self, cache, query, key, value, attention_mask, rpe_table, kwargs):
         """Decoder self-attention through an NPRFCache (`cache_nprf`): constant cost per generated token.
         query / key / value [B, H, Lq, d] of the new tokens -> [B, H, Lq, d]."""

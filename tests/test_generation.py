@@ -332,3 +332,16 @@ def test_absolute_positions_are_numbered_as_in_a_forward_pass():
     full_mask = torch.cat([mask, torch.ones(2, 10, dtype=mask.dtype)], 1)
     full = model(out.sequences, attention_mask=full_mask, use_cache=False).logits
     torch.testing.assert_close(torch.stack(out.logits, 1).double(), full[:, 29:-1], rtol=0, atol=1e-5)
+
+
+def test_decoder_with_cross_attention_keeps_its_self_attention_state_in_an_nprf_cache():
+    model = decoder(add_cross_attention=True)
+    input_ids, mask = left_padded((30, 17), 30)
+    encoder_states = torch.randn(2, 7, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    out = model.generate(input_ids, attention_mask=mask, encoder_hidden_states=encoder_states, max_new_tokens=10,
+                         do_sample=False, pad_token_id=1, return_dict_in_generate=True, output_logits=True)
+    assert isinstance(out.past_key_values.self_attention_cache, NPRFCache)
+    assert isinstance(out.past_key_values.cross_attention_cache, DynamicCache)
+    full_mask = torch.cat([mask, torch.ones(2, 10, dtype=mask.dtype)], 1)
+    full = model(out.sequences, attention_mask=full_mask, encoder_hidden_states=encoder_states, use_cache=False).logits
+    torch.testing.assert_close(torch.stack(out.logits, 1).double(), full[:, 29:-1], rtol=0, atol=1e-5)
