@@ -2,8 +2,9 @@
 
 A RoBERTa-base-sized causal LM (12 layers, hidden 768, 12 heads, feed-forward 3072, vocabulary 50265),
 batch 1: a random prompt of `context` tokens is prefilled, then `--new-tokens` tokens are decoded
-greedily, one forward pass per token (the loop of `generate(do_sample=False)`, without its logits
-processors), under `torch.inference_mode()`. Variants:
+greedily, one forward pass per token, under `torch.inference_mode()`: the loop of
+`generate(do_sample=False)` without its logits processors, and like it computing the logits of the
+last position only (`logits_to_keep=1`). Variants:
 
 * ``nprf``: `NPRFRobertaForCausalLM` (`position_embedding_type="none"`, unidirectional T5 buckets) with
   its default `NPRFCache`: per layer the far sums S, z and the last W - 1 keys' features and values;
@@ -109,18 +110,18 @@ def measure_point(variant, context, args):
     with torch.inference_mode():
         _synchronize(device)
         start = time.perf_counter()
-        out = model(prompt, past_key_values=cache, use_cache=True)
+        out = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)  # as generate(): last logits only
         token = out.logits[:, -1:].argmax(-1)
         _synchronize(device)
         prefill = time.perf_counter() - start
         del out
         for _ in range(args.warmup_tokens):  # untimed: first calls pay one-off costs
-            token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            token = model(token, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
         with PeakMemory(device) as memory:
             _synchronize(device)
             start = time.perf_counter()
             for _ in range(args.new_tokens):
-                token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+                token = model(token, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
             token.item()
             _synchronize(device)
             decode = time.perf_counter() - start
