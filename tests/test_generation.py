@@ -345,3 +345,15 @@ def test_decoder_with_cross_attention_keeps_its_self_attention_state_in_an_nprf_
     full_mask = torch.cat([mask, torch.ones(2, 10, dtype=mask.dtype)], 1)
     full = model(out.sequences, attention_mask=full_mask, encoder_hidden_states=encoder_states, use_cache=False).logits
     torch.testing.assert_close(torch.stack(out.logits, 1).double(), full[:, 29:-1], rtol=0, atol=1e-5)
+
+
+def test_chunked_prefill_goes_through_the_recurrent_continuation():
+    model = decoder(dtype=torch.float32)
+    input_ids, mask = left_padded((30, 17), 30)
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=1, return_dict_in_generate=True,
+                  output_logits=True)
+    chunked = model.generate(input_ids, prefill_chunk_size=7, **kwargs)  # 7 tokens, then 4 continuations of up to 7
+    assert isinstance(chunked.past_key_values, NPRFCache)
+    uncached = model.generate(input_ids, use_cache=False, **kwargs)
+    assert torch.equal(chunked.sequences, uncached.sequences)
+    torch.testing.assert_close(torch.stack(chunked.logits), torch.stack(uncached.logits), rtol=0, atol=1e-5)
