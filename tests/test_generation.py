@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from nprf_hf import NPRFRobertaConfig, NPRFRobertaForCausalLM
-from nprf_hf import cache_nprf
+from nprf_hf import cache_nprf, functional
 from nprf_hf.cache_nprf import NPRFCache, causal_distance_bias, recurrent_attention, recurrent_state_from_prefill
 from nprf_hf.functional import _toeplitz, _values_and_ones, relative_position_bias, rpe_band_width
 from transformers import DynamicCache
@@ -117,14 +117,19 @@ def test_far_bias_is_constant_beyond_the_band():
 
 
 @pytest.mark.parametrize("algorithm", ["dense", "fft", "banded", "auto"])
-@pytest.mark.parametrize("prompt_lengths", [(5, 3), (30, 22)], ids=["shorter-than-W", "longer-than-W"])
-def test_cached_decoding_equals_the_full_forward_float64(algorithm, prompt_lengths):
+# 60 > 3 chunks of 16 tokens: the banded prefill really uses its band (below that it is the dense product)
+@pytest.mark.parametrize("prompt_lengths", [(5, 3), (60, 47)], ids=["shorter-than-W", "longer-than-W"])
+def test_cached_decoding_equals_the_full_forward_float64(algorithm, prompt_lengths, monkeypatch):
     model = decoder(attention_algorithm=algorithm)
     prompt, new = max(prompt_lengths), 20
     input_ids, mask = left_padded(prompt_lengths, prompt + new)
     mask[:, prompt:] = 1
     full = model(input_ids, attention_mask=mask, use_cache=False).logits
+    band_products = []
+    original = functional._BandWindowProduct.apply
+    monkeypatch.setattr(functional._BandWindowProduct, "apply", staticmethod(lambda *a: band_products.append(1) or original(*a)))
     logits, cache = decode_logits(model, input_ids, mask, prompt)
+    assert bool(band_products) == (algorithm == "banded" and prompt > 48)  # the banded prefill used its band
     assert isinstance(cache, NPRFCache) and cache.get_seq_length() == prompt + new
     real = mask[:, prompt - 1 :].bool()
     torch.testing.assert_close(logits[real], full[:, prompt - 1 :][real], rtol=0, atol=1e-10)
