@@ -13,8 +13,8 @@ last position only (`logits_to_keep=1`). Variants:
 * ``nprf_kv`` (not run by default): the NPRF model with a `DynamicCache`, the path NPRF decoders took
   before issue 14 (the attention over every cached key recomputed at each step).
 
-Reported per (variant, context): prefill time; time per new token (decode time / new tokens; the first
-`--warmup-tokens` decoded tokens are not timed); the peak memory increase while decoding (over the
+Reported per (variant, context): prefill time; time per new token (the median over the decoded tokens,
+and their mean; the first `--warmup-tokens` decoded tokens are not timed); the peak memory increase while decoding (over the
 model, the prompt and the prefilled cache); the cache's bytes per layer after the last token.
 Memory is measured as in `long_sequence.py` (peak RSS on CPU, `max_memory_allocated` on CUDA), each
 (variant, context) in a fresh forked (CPU) or spawned (CUDA) process (``--isolation process``).
@@ -28,6 +28,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -117,19 +118,20 @@ def measure_point(variant, context, args):
         del out
         for _ in range(args.warmup_tokens):  # untimed: first calls pay one-off costs
             token = model(token, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
+        times = []
         with PeakMemory(device) as memory:
-            _synchronize(device)
-            start = time.perf_counter()
             for _ in range(args.new_tokens):
+                _synchronize(device)
+                start = time.perf_counter()
                 token = model(token, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
-            token.item()
-            _synchronize(device)
-            decode = time.perf_counter() - start
+                _synchronize(device)
+                times.append(time.perf_counter() - start)
     return {
         "status": "ok",
         "prefill_s": prefill,
-        "decode_s": decode,
-        "time_per_token_s": decode / args.new_tokens,
+        "decode_s": sum(times),
+        "time_per_token_s": statistics.median(times),  # robust to a busy machine's stalls
+        "mean_time_per_token_s": sum(times) / len(times),
         "decode_peak_memory_bytes": memory.increase,
         "memory_method": memory.method,
         "cache_bytes_per_layer": cache_bytes_per_layer(cache),
