@@ -199,8 +199,8 @@ class NPRFCacheLayer(CacheLayerMixin):
             "(a growing key/value cache) for assisted decoding or other rollbacks."
         )
 
-    def offload(self):
-        self._apply(lambda t: t.to("cpu", non_blocking=True))
+    def offload(self):  # a few hundred KiB per layer whatever the context: nothing worth offloading
+        pass
 
     def prefetch(self):
         pass
@@ -322,10 +322,12 @@ class NPRFCache(Cache):
                 f"the random projection of layer {layer_idx} changed since NPRFCache was built (a feature redraw or new "
                 "weights): its state was computed with the old features; start generation again with a new cache"
             )
+        if layer_idx != 0 or torch.compiler.is_compiling():  # every layer sees the same mask: one host sync per step
+            return key_padding_mask
         seen = (
             torch.full_like(layer.real_tokens, past) if key_padding_mask is None else key_padding_mask[:, :past].sum(-1)
         )
-        if not torch.compiler.is_compiling() and not bool((seen == layer.real_tokens).all()):
+        if not bool((seen == layer.real_tokens).all()):
             raise ValueError(
                 "the attention mask of the past tokens differs from the one NPRFCache saw when it consumed them (past "
                 "padding cannot be changed after the fact: their keys are already in the far sums S, z)"
