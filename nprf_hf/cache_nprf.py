@@ -261,11 +261,17 @@ class NPRFCache(Cache):
             [B, H, L, d] attention output.
         """
         layer = self.layer(layer_idx)
-        batch, heads, length, _ = query.shape
+        batch, length = query.shape[0], query.shape[2]
         past = layer.seq_length
         mask = self._check_call(layer, layer_idx, batch, length, key_padding_mask, projection)
+        new_mask = None if mask is None else mask[:, past:]
         dtype = _compute_dtype(query.dtype)
-        if past == 0:
+        # The new keys' features (padded keys zeroed after the map: phi(0) != 0) and [v | 1].
+        phi_k = _normalized_features(key.to(dtype), projection, logit_scale)
+        if new_mask is not None:
+            phi_k = phi_k * new_mask[:, None, :, None].to(dtype)
+        u = _values_and_ones(value.to(dtype))
+        if past == 0:  # prefill: the fast exact algorithms over the prompt, then the state from its keys
             bias = relative_position_bias(rpe_table, length, False, num_buckets, max_distance)
             out = nprf_attention(
                 query,
@@ -279,21 +285,13 @@ class NPRFCache(Cache):
                 band_width=band_width,
                 logit_scale=logit_scale,
             )
-        phi_k = _normalized_features(key.to(dtype), projection, logit_scale)
-        new_mask = None if mask is None else mask[:, past:]
-        if new_mask is not None:
-            phi_k = phi_k * new_mask[:, None, :, None].to(dtype)
-        u = _values_and_ones(value.to(dtype))
-        if past == 0:
             state = recurrent_state_from_prefill(phi_k, u, band_width)
         else:
             phi_q = _normalized_features(query.to(dtype), projection, logit_scale)
             bias = causal_distance_bias(rpe_table, band_width, num_buckets, max_distance).to(dtype)
             c = torch.exp(bias - bias.amax(dim=-1, keepdim=True).detach())  # ratios are shift-invariant; c <= 1
-            numerator_denominator, *state = recurrent_attention(
-                phi_q, phi_k, u, layer.far_states, layer.ring_features, layer.ring_values, c
-            )
-            out = normalize_attention(numerator_denominator, query.dtype)
+            sums, *state = recurrent_attention(phi_q, phi_k, u, layer.far_states, layer.ring_features, layer.ring_values, c)
+            out = normalize_attention(sums, query.dtype)
         layer.far_states, layer.ring_features, layer.ring_values = state
         real = torch.full((batch,), length, device=query.device) if new_mask is None else new_mask.sum(-1)
         layer.real_tokens = real if layer.real_tokens is None else layer.real_tokens + real
