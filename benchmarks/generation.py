@@ -13,9 +13,10 @@ last position only (`logits_to_keep=1`). Variants:
 * ``nprf_kv`` (not run by default): the NPRF model with a `DynamicCache`, the path NPRF decoders took
   before issue 14 (the attention over every cached key recomputed at each step).
 
-Reported per (variant, context): prefill time; time per new token (the median over the decoded tokens,
-and their mean; the first `--warmup-tokens` decoded tokens are not timed); the peak memory increase while decoding (over the
-model, the prompt and the prefilled cache); the cache's bytes per layer after the last token.
+Reported per (variant, context): prefill time; time per new token (the median over the decoded
+tokens, and their mean; the first `--warmup-tokens` decoded tokens are not timed); the peak memory
+increase while decoding (over the model, the prompt and the prefilled cache); the cache's bytes per
+layer after the last token.
 Memory is measured as in `long_sequence.py` (peak RSS on CPU, `max_memory_allocated` on CUDA), each
 (variant, context) in a fresh forked (CPU) or spawned (CUDA) process (``--isolation process``).
 
@@ -63,7 +64,8 @@ def build_model(variant, args, max_length):
         from nprf_hf import NPRFRobertaConfig, NPRFRobertaForCausalLM
 
         extra = {} if args.num_features is None else {"num_random_features": args.num_features}
-        config = NPRFRobertaConfig(position_embedding_type="none", attention_algorithm=args.algorithm, **common, **extra)
+        extra["attention_algorithm"] = args.algorithm
+        config = NPRFRobertaConfig(position_embedding_type="none", **common, **extra)
         model = NPRFRobertaForCausalLM(config)
     else:
         from transformers import RobertaConfig, RobertaForCausalLM
@@ -146,7 +148,8 @@ def _safe_measure(variant, context, args):
     except Exception as error:  # reported in the results, the sweep goes on
         text = str(error).lower()
         status = "out of memory" if isinstance(error, MemoryError) or "out of memory" in text else "error"
-        return {"status": status, "error": f"{type(error).__name__}: {str(error)[:300]}", "traceback": traceback.format_exc()[-2000:]}
+        error_text = f"{type(error).__name__}: {str(error)[:300]}"
+        return {"status": status, "error": error_text, "traceback": traceback.format_exc()[-2000:]}
 
 
 def _child(connection, variant, context, args):
@@ -191,7 +194,8 @@ def ratios(results, contexts):
     for variant in VARIANTS:
         first, last = index.get((variant, contexts[0])), index.get((variant, contexts[-1]))
         if first and last and len(contexts) > 1:
-            out[f"{variant}_per_token_{contexts[-1]}_over_{contexts[0]}"] = last["time_per_token_s"] / first["time_per_token_s"]
+            growth = last["time_per_token_s"] / first["time_per_token_s"]
+            out[f"{variant}_per_token_{contexts[-1]}_over_{contexts[0]}"] = growth
             out[f"{variant}_cache_bytes_{contexts[-1]}_over_{contexts[0]}"] = (
                 last["cache_bytes_per_layer"] / first["cache_bytes_per_layer"]
             )
@@ -246,11 +250,15 @@ def plot(results, meta, path):
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    panels = [("time_per_token_s", 1e3, "time per new token (ms)"), ("cache_bytes_per_layer", 2**-20, "cache per layer (MiB)"),
-              ("decode_peak_memory_bytes", 2**-20, "peak memory while decoding (MiB)")]
+    panels = [
+        ("time_per_token_s", 1e3, "time per new token (ms)"),
+        ("cache_bytes_per_layer", 2**-20, "cache per layer (MiB)"),
+        ("decode_peak_memory_bytes", 2**-20, "peak memory while decoding (MiB)"),
+    ]
     for axis, (key, scale, label) in zip(axes, panels):
         for variant in meta["variants"]:
-            ok = sorted((r for r in results if r["variant"] == variant and r["status"] == "ok"), key=lambda r: r["context"])
+            ok = [r for r in results if r["variant"] == variant and r["status"] == "ok"]
+            ok.sort(key=lambda r: r["context"])
             if ok:
                 axis.plot([r["context"] for r in ok], [max(r[key] * scale, 1e-3) for r in ok], marker="o",
                           color=COLORS[variant], label=LABELS[variant])
@@ -312,7 +320,9 @@ def main(argv=None):
             result = run_point(variant, context, args)
             result.update(variant=variant, context=context)
             results.append(result)
-            status = f"{result['time_per_token_s'] * 1e3:.1f} ms/token" if result["status"] == "ok" else result["status"]
+            status = result["status"]
+            if status == "ok":
+                status = f"{result['time_per_token_s'] * 1e3:.1f} ms/token"
             print(f"{variant:>8} context {context:>6}: {status}", flush=True)
     meta = {
         "command": "python " + " ".join([os.path.relpath(__file__)] + (sys.argv[1:] if argv is None else list(argv))),

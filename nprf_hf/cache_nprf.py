@@ -146,7 +146,9 @@ class NPRFCacheLayer(CacheLayerMixin):
         self.projection_id = None
 
     def lazy_initialization(self, key_states, value_states):
-        raise NotImplementedError("NPRFCacheLayer builds its state from the prompt (NPRFCache.attend), not from keys/values")
+        raise NotImplementedError(
+            "NPRFCacheLayer builds its state from the prompt (NPRFCache.attend), not from keys and values"
+        )
 
     def update(self, key_states, value_states, *args, **kwargs):
         raise NotImplementedError(
@@ -195,8 +197,8 @@ class NPRFCacheLayer(CacheLayerMixin):
 
     def crop(self, tokens_to_remove):
         raise ValueError(
-            "NPRFCache cannot be cropped: its far sums S, z cannot give tokens back. Use cache_implementation='dynamic' "
-            "(a growing key/value cache) for assisted decoding or other rollbacks."
+            "NPRFCache cannot be cropped: its far sums S, z cannot give tokens back. Use "
+            "cache_implementation='dynamic' (a growing key/value cache) for assisted decoding or other rollbacks."
         )
 
     def offload(self):  # a few hundred KiB per layer whatever the context: nothing worth offloading
@@ -290,7 +292,8 @@ class NPRFCache(Cache):
             phi_q = _normalized_features(query.to(dtype), projection, logit_scale)
             bias = causal_distance_bias(rpe_table, band_width, num_buckets, max_distance).to(dtype)
             c = torch.exp(bias - bias.amax(dim=-1, keepdim=True).detach())  # ratios are shift-invariant; c <= 1
-            sums, *state = recurrent_attention(phi_q, phi_k, u, layer.far_states, layer.ring_features, layer.ring_values, c)
+            state = (layer.far_states, layer.ring_features, layer.ring_values)
+            sums, *state = recurrent_attention(phi_q, phi_k, u, *state, c)
             out = normalize_attention(sums, query.dtype)
         layer.far_states, layer.ring_features, layer.ring_values = state
         real = torch.full((batch,), length, device=query.device) if new_mask is None else new_mask.sum(-1)
@@ -313,12 +316,13 @@ class NPRFCache(Cache):
             return key_padding_mask
         if layer.far_states.shape[0] != batch:
             raise ValueError(
-                f"NPRFCache layer {layer_idx} holds a batch of {layer.far_states.shape[0]} sequences, got {batch} new ones"
+                f"NPRFCache layer {layer_idx} holds a batch of {layer.far_states.shape[0]} sequences, "
+                f"got {batch} new ones"
             )
         if layer.projection_id != _projection_id(projection):
             raise ValueError(
-                f"the random projection of layer {layer_idx} changed since NPRFCache was built (a feature redraw or new "
-                "weights): its state was computed with the old features; start generation again with a new cache"
+                f"the random projection of layer {layer_idx} changed since NPRFCache was built (a feature redraw "
+                "or new weights): its state was computed with the old features; start again with a new cache"
             )
         if layer_idx != 0 or torch.compiler.is_compiling():  # every layer sees the same mask: one host sync per step
             return key_padding_mask
@@ -340,7 +344,7 @@ def _projection_id(projection):
 
 
 def find_nprf_cache(past_key_values):
-    """The NPRFCache inside `past_key_values` (itself, or the self-attention part of an EncoderDecoderCache), or None."""
+    """The NPRFCache in `past_key_values` (itself, or the self-attention part of an EncoderDecoderCache), or None."""
     cache = getattr(past_key_values, "self_attention_cache", past_key_values)
     return cache if isinstance(cache, NPRFCache) else None
 
@@ -365,8 +369,8 @@ class NPRFGenerationMixin:
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, *args, **kwargs):
         if generation_config.cache_implementation not in (None, "dynamic", "offloaded"):
             raise ValueError(
-                f"cache_implementation={generation_config.cache_implementation!r} is not supported by NPRF decoders: leave "
-                "it unset (NPRFCache, constant size) or use 'dynamic' (a growing key/value cache)"
+                f"cache_implementation={generation_config.cache_implementation!r} is not supported by NPRF decoders: "
+                "leave it unset (NPRFCache, constant size) or use 'dynamic' (a growing key/value cache)"
             )
         if (
             model_kwargs.get("past_key_values") is None

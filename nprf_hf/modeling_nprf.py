@@ -588,7 +588,8 @@ def _forward_with_segments(model_class):
             and not (output_attentions or (output_attentions is None and self.config.output_attentions))
             and (attention_mask is None or attention_mask.dim() == 2)
         ):  # instead of HF's growing key/value cache (which attention weights and general 4D masks need)
-            kwargs["past_key_values"] = default_decoder_cache(self.config, kwargs.get("encoder_hidden_states") is not None)
+            cross_attention = kwargs.get("encoder_hidden_states") is not None
+            kwargs["past_key_values"] = default_decoder_cache(self.config, cross_attention)
         return model_class.forward(
             self, input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, **kwargs
         )

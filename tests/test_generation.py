@@ -94,7 +94,8 @@ def test_recurrent_attention_equals_the_dense_product(prompt, block, monkeypatch
     # the rest in two calls: a chunk of several tokens, then one token at a time
     outs, middle = [], min(prompt + 17, n)
     for start, stop in [(prompt, middle)] + [(t, t + 1) for t in range(middle, n)]:
-        out, *state = recurrent_attention(phi_q[:, :, start:stop], phi_k[:, :, start:stop], u[:, :, start:stop], *state, c)
+        new = slice(start, stop)
+        out, *state = recurrent_attention(phi_q[:, :, new], phi_k[:, :, new], u[:, :, new], *state, c)
         outs.append(out)
     torch.testing.assert_close(torch.cat(outs, -2), expected[:, :, prompt:], rtol=1e-12, atol=1e-12)
     # S, z hold exactly the keys older than the band
@@ -127,7 +128,8 @@ def test_cached_decoding_equals_the_full_forward_float64(algorithm, prompt_lengt
     full = model(input_ids, attention_mask=mask, use_cache=False).logits
     band_products = []
     original = functional._BandWindowProduct.apply
-    monkeypatch.setattr(functional._BandWindowProduct, "apply", staticmethod(lambda *a: band_products.append(1) or original(*a)))
+    spy = staticmethod(lambda *args: band_products.append(1) or original(*args))
+    monkeypatch.setattr(functional._BandWindowProduct, "apply", spy)
     logits, cache = decode_logits(model, input_ids, mask, prompt)
     assert bool(band_products) == (algorithm == "banded" and prompt > 48)  # the banded prefill used its band
     assert isinstance(cache, NPRFCache) and cache.get_seq_length() == prompt + new
@@ -172,7 +174,8 @@ def test_multi_token_continuation_and_logit_scale():
 def test_generate_float32_greedy_sampling_and_beams():
     model = decoder(dtype=torch.float32)
     input_ids, mask = left_padded((30, 17), 30)
-    kwargs = dict(attention_mask=mask, max_new_tokens=24, return_dict_in_generate=True, output_logits=True, pad_token_id=1)
+    kwargs = dict(attention_mask=mask, max_new_tokens=24, return_dict_in_generate=True, output_logits=True,
+                  pad_token_id=1)
     greedy = model.generate(input_ids, do_sample=False, **kwargs)
     assert isinstance(greedy.past_key_values, NPRFCache)
     full_mask = torch.cat([mask, torch.ones(2, 24, dtype=mask.dtype)], 1)
@@ -193,7 +196,8 @@ def test_generate_float32_greedy_sampling_and_beams():
     torch.testing.assert_close(torch.stack(sampled[0].logits, 1), full[:, 29:-1], rtol=0, atol=1e-5)
 
     beams = {}
-    for name, options in [("nprf", {}), ("uncached", {"use_cache": False}), ("dynamic", {"cache_implementation": "dynamic"})]:
+    options_by_name = {"nprf": {}, "uncached": {"use_cache": False}, "dynamic": {"cache_implementation": "dynamic"}}
+    for name, options in options_by_name.items():
         beams[name] = model.generate(
             input_ids, attention_mask=mask, max_new_tokens=12, num_beams=3, num_return_sequences=2, do_sample=False,
             return_dict_in_generate=True, output_scores=True, pad_token_id=1, **options,
