@@ -266,6 +266,11 @@ def test_cache_memory_is_constant_in_the_context_length():
         cache = model(torch.randint(3, 99, (1, length))).past_key_values
         sizes.append([cache.nbytes(i) for i in range(TINY["num_hidden_layers"])])
     assert sizes[0] == sizes[1] == sizes[2]
+    # and no state tensor is a view that keeps a larger buffer (the prompt's features, a decode window) alive
+    model(torch.randint(3, 99, (1, 3)), past_key_values=cache)
+    for layer in cache.layers:
+        for tensor in (layer.far_states, layer.ring_features, layer.ring_values):
+            assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
     heads, m, d = 2, 16, 16
     assert sizes[0][0] == 4 * heads * (m * (d + 1) + (W - 1) * (m + d + 1)) + 8  # + the real-token count
 
