@@ -371,3 +371,14 @@ def test_chunked_prefill_goes_through_the_recurrent_continuation():
     uncached = model.generate(input_ids, use_cache=False, **kwargs)
     assert torch.equal(chunked.sequences, uncached.sequences)
     torch.testing.assert_close(torch.stack(chunked.logits), torch.stack(uncached.logits), rtol=0, atol=1e-5)
+
+
+def test_half_precision_keeps_the_state_in_float32():
+    model = decoder(dtype=torch.bfloat16)
+    input_ids, mask = left_padded((30, 17), 40)
+    mask[:, 30:] = 1
+    full = model(input_ids, attention_mask=mask, use_cache=False).logits.float()
+    logits, cache = decode_logits(model, input_ids, mask, 30)
+    assert cache.layers[0].far_states.dtype == torch.float32 and logits.dtype == torch.bfloat16
+    # the attention runs in float32 on both sides; what differs is rounded to bfloat16 (a few ulps of 2^-7 at most)
+    assert (logits.float() - full[:, 29:]).abs().max() <= 0.05
