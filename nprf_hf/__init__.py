@@ -5,6 +5,7 @@ DistilBERT). Importing the package registers every model with the Auto classes."
 import transformers
 
 from . import functional
+from .cache_nprf import NPRFCache
 from .configuration_nprf import NPRF_CONFIG_CLASSES
 from .convert import convert_to_nprf
 from .families import FAMILIES, HEADS
@@ -26,4 +27,4 @@ for _model_type, _config_class in NPRF_CONFIG_CLASSES.items():
             getattr(transformers, HEADS[_head].auto_class).register(_config_class, _model_class, exist_ok=True)
 globals().update(_EXPORTS)
 
-__all__ = ["functional", "convert_to_nprf", "attention_transfer", "read_transfer_texts", "TransferReport", *_EXPORTS]
+__all__ = ["functional", "NPRFCache", "convert_to_nprf", "attention_transfer", "read_transfer_texts", "TransferReport", *_EXPORTS]

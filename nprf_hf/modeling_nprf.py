@@ -22,7 +22,8 @@ Design notes:
 - Masks. The base model's forward turns the attention mask into one of two forms, once per forward:
   a key padding mask [B, 1, 1, Lk] (bool, True = keep; padding, plus causality for a decoder) or a
   general bool mask [B, 1|H, Lq, Lk], applied exactly through the dense weights. Both are 4D, so
-  transformers' mask builders pass them through untouched (no L x L mask is built for padding).
+  transformers' mask builders pass them through untouched (no L x L mask is built for padding), and
+  `_create_attention_masks` keeps None as None.
 - Cross-attention (decoder with `add_cross_attention=True`) is HF's softmax cross-attention,
   unchanged: the paper's RPE has no meaning between two different sequences.
 - Attention dropout (`attention_probs_dropout_prob`) is not applied: the fast algorithms never
@@ -45,8 +46,10 @@ from torch.nn import functional as F
 
 from transformers import initialization as init
 from transformers.cache_utils import EncoderDecoderCache
+from transformers.masking_utils import create_bidirectional_mask
 from transformers.utils import logging
 
+from .cache_nprf import NPRFGenerationMixin, default_decoder_cache, find_nprf_cache
 from .configuration_nprf import NPRF_CONFIG_CLASSES, validate_nprf_fields
 from .families import ATTENTION_LAYOUTS, FAMILIES, HEADS, family_of, position_offset
 from .functional import (
@@ -236,19 +239,17 @@ class NPRFSelfAttention(nn.Module):
 
     def mask_forms(self, attention_mask, query_length, key_length, batch_size):
         """(key padding mask [B, Lk] or None, general bool mask [B, 1|H, Lq, Lk] or None). The base model
-        hands over a normalized 4D bool mask (`normalize_attention_mask`): [B, 1, 1, Lk] is a key padding
-        mask; anything else (a 2D mask or an HF mask from a direct call) is split here."""
+        hands over a key padding mask as [B, 1, 1, Lk] bool (`normalize_attention_mask`), taken as it is;
+        any other mask (a 2D mask or an HF 4D mask from a direct call) goes through `split_attention_mask`."""
         if (
             attention_mask is not None
             and attention_mask.dtype == torch.bool
             and attention_mask.dim() == 4
             and attention_mask.shape[0] == batch_size
+            and attention_mask.shape[1:3] == (1, 1)
             and attention_mask.shape[-1] == key_length
         ):
-            if attention_mask.shape[1:3] == (1, 1):
-                return attention_mask[:, 0, 0, :], None
-            if attention_mask.shape[-2] == query_length and attention_mask.shape[1] in (1, self.num_attention_heads):
-                return None, attention_mask
+            return attention_mask[:, 0, 0, :], None
         return split_attention_mask(
             attention_mask, query_length, key_length, self.is_causal, batch_size, self.num_attention_heads
         )
@@ -286,6 +287,14 @@ class NPRFSelfAttention(nn.Module):
         query = getattr(self, layout.query)(hidden_states).view(hidden_shape).transpose(1, 2)
         key = getattr(self, layout.key)(hidden_states).view(hidden_shape).transpose(1, 2)
         value = getattr(self, layout.value)(hidden_states).view(hidden_shape).transpose(1, 2)
+
+        nprf_cache = find_nprf_cache(past_key_values)
+        if nprf_cache is not None:
+            attn_output = self._recurrent_attention(nprf_cache, query, key, value, attention_mask, rpe_table, kwargs)
+            attn_output = attn_output.transpose(1, 2).reshape(*input_shape, -1).contiguous()
+            if layout.output is not None:
+                attn_output = getattr(self, layout.output)(attn_output)
+            return attn_output, None
 
         if past_key_values is not None:
             cache = past_key_values
@@ -372,6 +381,44 @@ class NPRFSelfAttention(nn.Module):
         if layout.output is not None:
             attn_output = getattr(self, layout.output)(attn_output)
         return attn_output, (attn_weights if output_attentions else None)
+
+
+    def _recurrent_attention(self, cache, query, key, value, attention_mask, rpe_table, kwargs):
+        """Decoder self-attention through an NPRFCache (`cache_nprf`): constant cost per generated token.
+        query / key / value [B, H, Lq, d] of the new tokens -> [B, H, Lq, d]."""
+        if not self.is_causal:
+            raise ValueError("NPRFCache is for decoder self-attention (config.is_decoder=True)")
+        output_attentions = kwargs.get("output_attentions")
+        if output_attentions or (output_attentions is None and getattr(self.config, "output_attentions", False)):
+            raise ValueError(
+                "output_attentions=True needs every past key, which NPRFCache does not keep: generate with "
+                "cache_implementation='dynamic' (or use_cache=False) to get attention weights"
+            )
+        table = self.rpe_table if self.rpe_table is not None else rpe_table
+        if table is None:
+            raise ValueError("rpe_shared_across_layers=True: the encoder must pass its rpe_table to the self-attention")
+        query_length = query.shape[2]
+        key_length = cache.get_seq_length(self.layer_idx) + query_length
+        key_padding_mask, general_mask = self.mask_forms(attention_mask, query_length, key_length, query.shape[0])
+        if general_mask is not None:
+            raise ValueError(
+                "NPRFCache applies padding masks (with the causal pattern) only; for another attention mask use "
+                "cache_implementation='dynamic' or use_cache=False"
+            )
+        return cache.attend(
+            self.layer_idx,
+            query,
+            key,
+            value,
+            key_padding_mask,
+            table,
+            self.projection,
+            self.band_width,
+            num_buckets=self.config.rpe_num_buckets,
+            max_distance=self.config.rpe_max_distance,
+            algorithm=self.config.attention_algorithm,
+            logit_scale=self.logit_scale(),
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -566,7 +613,23 @@ class NPRFModelMixin:
         shared = config.rpe_shared_across_layers
         encoder.rpe_table = nn.Parameter(torch.zeros(config.num_attention_heads, config.rpe_num_buckets)) if shared else None
         encoder.redraw_step = nn.Buffer(torch.zeros((), dtype=torch.long), persistent=False)
+        encoder.redraw_suspended = False  # set by generate(): cached features must stay valid
         self.post_init()
+
+    def _create_attention_masks(
+        self, attention_mask, encoder_attention_mask, embedding_output, encoder_hidden_states, past_key_values, **kwargs
+    ):
+        """For the families whose model builds its masks here: the self-attention mask as `forward` normalized
+        it (None stays None: no L x L causal mask, causality comes from `is_decoder`); the cross-attention
+        mask is HF's."""
+        if encoder_attention_mask is not None:
+            encoder_attention_mask = create_bidirectional_mask(
+                config=self.config,
+                inputs_embeds=embedding_output,
+                attention_mask=encoder_attention_mask,
+                encoder_hidden_states=encoder_hidden_states,
+            )
+        return attention_mask, encoder_attention_mask
 
     def nprf_attentions(self):
         """The NPRF self-attention of every layer, in order."""
@@ -575,9 +638,9 @@ class NPRFModelMixin:
     def maybe_redraw_projections(self):
         """Redraw every layer's projection each `feature_redraw_interval` training forward passes."""
         interval = self.config.feature_redraw_interval
-        if not (self.training and interval > 0):
-            return
         encoder = getattr(self, ATTENTION_LAYOUTS[self.family.layout].encoder)
+        if not (self.training and interval > 0) or encoder.redraw_suspended:
+            return
         encoder.redraw_step += 1
         step = int(encoder.redraw_step)
         if step % interval == 0:
@@ -602,11 +665,21 @@ class NPRFModelMixin:
             )
         self.maybe_redraw_projections()
         encoder = getattr(self, ATTENTION_LAYOUTS[self.family.layout].encoder)
+        use_cache, output_attentions = arguments.get("use_cache"), arguments.get("output_attentions")
+        if (
+            getattr(self.config, "is_decoder", False)
+            and arguments.get("past_key_values") is None
+            and (use_cache or (use_cache is None and self.config.use_cache))
+            and not (output_attentions or (output_attentions is None and self.config.output_attentions))
+            and (attention_mask is None or attention_mask.dim() == 2)
+        ):  # instead of HF's growing key/value cache (which attention weights and general 4D masks need)
+            cross_attention = arguments.get("encoder_hidden_states") is not None
+            arguments["past_key_values"] = default_decoder_cache(self.config, cross_attention)
         if encoder.rpe_table is not None:
             arguments["rpe_table"] = encoder.rpe_table
             # the shared table's bias, once for all layers; not under reentrant checkpointing, whose recomputed
             # layers would each backpropagate through that one shared graph
-            if reference is not None and not (self.training and self.is_gradient_checkpointing):
+            if reference is not None and not (self.training and self.is_activation_checkpointing):
                 past = arguments.get("past_key_values")
                 key_length = reference.shape[1] + (past.get_seq_length() if past is not None else 0)
                 causal = bool(getattr(self.config, "is_decoder", False))
@@ -665,9 +738,11 @@ def _nprf_classes(family):
         if head == "model":
             continue
         hf_head = getattr(transformers, family.class_name(head, nprf=False))
+        # decoders generate through an NPRFCache (constant cost per token, `cache_nprf`)
+        bases = (NPRFGenerationMixin, pretrained, hf_head) if head == "causal-lm" else (pretrained, hf_head)
         classes[head] = make(
             family.class_name(head),
-            (pretrained, hf_head),
+            bases,
             {
                 "__doc__": f"{hf_head.__name__} on [`{model.__name__}`]. Forward: as [`{hf_head.__name__}`].",
                 "__init__": _with_base_model(hf_head.__init__, hf_model.__name__, model),

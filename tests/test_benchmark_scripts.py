@@ -191,3 +191,38 @@ def torch_tensor(values):
     import torch
 
     return torch.tensor(values)
+
+
+def test_generation_benchmark_reports_time_per_token_cache_bytes_and_ratios(tmp_path, capsys):
+    generation = load_script("generation")
+    out, png = str(tmp_path / "generation.json"), str(tmp_path / "generation.png")
+    generation.main(TINY + ["--contexts", "16", "80", "--new-tokens", "3", "--warmup-tokens", "1", "--isolation", "none",
+                            "--variants", "nprf", "softmax", "nprf_kv", "--output", out, "--plot", png])
+    with open(out) as f:
+        saved = json.load(f)
+    assert {(r["variant"], r["context"]) for r in saved["results"]} == {
+        (v, c) for v in ("nprf", "softmax", "nprf_kv") for c in (16, 80)
+    }
+    by = {(r["variant"], r["context"]): r for r in saved["results"]}
+    for r in saved["results"]:
+        assert r["status"] == "ok", r
+        assert r["time_per_token_s"] > 0 and r["final_length"] == r["context"] + 1 + 3
+    assert by[("nprf", 16)]["cache_class"] == "NPRFCache" and by[("softmax", 16)]["cache_class"] == "DynamicCache"
+    # the NPRF state does not grow with the context; a key/value cache does
+    assert by[("nprf", 16)]["cache_bytes_per_layer"] == by[("nprf", 80)]["cache_bytes_per_layer"]
+    assert by[("softmax", 80)]["cache_bytes_per_layer"] > by[("softmax", 16)]["cache_bytes_per_layer"]
+    ratios = saved["ratios"]
+    assert ratios["softmax_over_nprf_per_token_80"] == (
+        by[("softmax", 80)]["time_per_token_s"] / by[("nprf", 80)]["time_per_token_s"]
+    )
+    assert ratios["nprf_cache_bytes_80_over_16"] == 1.0
+    assert os.path.getsize(png) > 1000
+    printed = capsys.readouterr().out
+    assert "softmax/nprf" in printed and "ms/token" in printed
+
+
+def test_generation_benchmark_rejects_bad_arguments():
+    generation = load_script("generation")
+    for bad in (["--new-tokens", "0"], ["--contexts", "0"], ["--hidden-size", "30", "--num-heads", "4"], ["--device", "tpu"]):
+        with pytest.raises(SystemExit):
+            generation.parse_args(bad)

@@ -57,7 +57,7 @@ CASES = [
 ]
 BERT_HEADS = {name for cls, name in CASES if cls.__name__.startswith("NPRFBert")}
 ROBERTA_HEADS = {name for cls, name in CASES if cls.__name__.startswith("NPRFRoberta")}
-CODE_FILES = ("configuration_nprf.py", "modeling_nprf.py", "functional.py")
+CODE_FILES = ("configuration_nprf.py", "modeling_nprf.py", "functional.py", "cache_nprf.py")
 
 
 def build(cls):
@@ -137,6 +137,10 @@ LOADER = textwrap.dedent(
         with torch.no_grad():
             out = model(input_ids=io["input_ids"], attention_mask=io["attention_mask"])[0]
         results[class_name] = float((out - io["reference"]).abs().max())
+        if class_name == "NPRFRobertaForCausalLM":  # generate() decodes with the remote code's NPRFCache
+            generated = model.generate(io["input_ids"][:1], max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+            cache = type(generated.past_key_values)
+            results["generate_cache"] = cache.__module__ + "." + cache.__name__
     # Without trust_remote_code: HF's own refusal.
     try:
         transformers.AutoModel.from_pretrained(cases[0][2], trust_remote_code=False)
@@ -168,6 +172,8 @@ def test_fresh_process_without_package_loads_every_head_with_trust_remote_code(s
     line = [line for line in completed.stdout.splitlines() if line.startswith("RESULTS")][-1]
     results = json.loads(line[len("RESULTS") :])
     refused = results.pop("refused")
+    cache = results.pop("generate_cache")
+    assert cache.startswith("transformers_modules") and cache.endswith("cache_nprf.NPRFCache"), cache
     assert refused != "loaded"
     assert "trust_remote_code" in refused
     # Same weights, same code: equal up to gemm rounding (MKL's kernel for the [1, hidden] MultipleChoice

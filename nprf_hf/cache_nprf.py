@@ -1,0 +1,420 @@
+# coding=utf-8
+"""Recurrent NPRF decoding: a `transformers` Cache whose size does not grow with the context.
+
+With T5's unidirectional buckets the causal bias is constant for every distance >= W (W =
+`rpe_band_width(num_buckets, max_distance, bidirectional=False)`), so for the query at position p
+
+    numerator_p   = phi(q_p)^T [ c_far S_{p-W} + sum_{p-W < j <= p} c_{p-j} phi(k_j) v_j^T ]
+    denominator_p = phi(q_p)^T [ c_far z_{p-W} + sum_{p-W < j <= p} c_{p-j} phi(k_j) ]
+
+with S_t = sum_{j <= t} phi(k_j) v_j^T [m, d] and z_t = sum_{j <= t} phi(k_j) [m] (c_delta = exp(b_{-delta})).
+A decoder therefore needs, per layer and head, only S, z of the keys older than the band and the
+features and values of the last W - 1 keys: memory and time per generated token independent of the
+context length. The prompt is attended by `nprf_attention` (dense / fft / banded, any length), then
+the state is built from its keys.
+
+Layout of the state (per layer): `far_states` [B, H, m, d + 1] holds [S | z] (one matmul serves
+numerator and denominator), `ring_features` [B, H, W - 1, m] and `ring_values` [B, H, W - 1, d + 1]
+the last W - 1 keys' phi(k) and [v | 1], oldest first (padded keys have phi(k) = 0: they count in
+no sum).
+
+The first section holds pure functions (tensors in, tensors out); `NPRFCacheLayer` / `NPRFCache` only
+keep their results between calls.
+"""
+
+import torch
+
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, EncoderDecoderCache
+
+from .functional import (
+    _compute_dtype,
+    _normalized_features,
+    _values_and_ones,
+    nprf_attention,
+    relative_position_bias,
+    t5_relative_position_bucket,
+)
+
+
+# New tokens of one forward call are attended in blocks of at most this many queries: the dense
+# [block, W - 1 + block] weights of a block stay small, and the cost stays linear in the block count.
+DECODE_BLOCK = 128
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure functions
+# ---------------------------------------------------------------------------------------------
+
+
+def causal_distance_bias(table, band_width, num_buckets=32, max_distance=128):
+    """The unidirectional bias by distance: [H, W + 1], entry delta = b_{-delta} for delta < W and entry W
+    the far bias shared by every distance >= W.
+
+    Args:
+        table: [H, num_buckets] bucket table.
+    """
+    distance = torch.arange(band_width + 1, device=table.device)
+    return table[:, t5_relative_position_bucket(-distance, False, num_buckets, max_distance)]
+
+
+def recurrent_state_from_prefill(phi_k, u, band_width):
+    """The state after a prompt of n keys: S, z of keys 0 .. n - W and the last W - 1 keys.
+
+    Args:
+        phi_k: [B, H, n, m] key features (padded keys zeroed). u: [B, H, n, e] values with a ones column.
+    Returns:
+        far_states [B, H, m, e], ring_features [B, H, W - 1, m], ring_values [B, H, W - 1, e]
+        (zero rows in front when n < W - 1).
+    """
+    n = phi_k.shape[-2]
+    ring = band_width - 1
+    far = max(n - ring, 0)
+    far_states = phi_k[:, :, :far].transpose(-1, -2) @ u[:, :, :far]
+    missing = max(ring - n, 0)  # keys before the sequence start: zero rows, no weight
+    # copies, not views: the state must not keep the whole prompt's features alive
+    ring_features = torch.nn.functional.pad(phi_k[:, :, far:], (0, 0, missing, 0)).clone()
+    ring_values = torch.nn.functional.pad(u[:, :, far:], (0, 0, missing, 0)).clone()
+    return far_states, ring_features, ring_values
+
+
+def recurrent_attention(phi_q, phi_k, u, far_states, ring_features, ring_values, c):
+    """Attend L new tokens to the state of the keys before them and to each other, and advance the state.
+
+    Args:
+        phi_q, phi_k: [B, H, L, m] features of the new queries and keys (padded keys zeroed).
+        u: [B, H, L, e] new values with a ones column.
+        far_states, ring_features, ring_values: the state before the new tokens (see the module docstring).
+        c: [H, W + 1] exp(bias) by distance (`causal_distance_bias`, shifted as the caller likes: ratios count).
+    Returns:
+        (out [B, H, L, e]: sum_j c phi(q).phi(k_j) [v_j | 1], the numerator and denominator of each query;
+        far_states, ring_features, ring_values: the state after the new tokens). The inputs are not modified.
+    """
+    ring = ring_features.shape[-2]
+    outputs = []
+    for start in range(0, phi_q.shape[-2], DECODE_BLOCK):
+        stop = min(start + DECODE_BLOCK, phi_q.shape[-2])
+        q, length = phi_q[:, :, start:stop], stop - start
+        # The window: the W - 1 previous keys then the block's own, oldest first.
+        window_features = torch.cat([ring_features, phi_k[:, :, start:stop]], dim=-2)
+        window_values = torch.cat([ring_values, u[:, :, start:stop]], dim=-2)
+        # Query a of the block sits at window row ring + a; key w is at distance ring + a - w (< 0: future).
+        distance = ring + torch.arange(length, device=c.device)[:, None] - torch.arange(ring + length, device=c.device)
+        weights = torch.where(distance >= 0, c[:, distance.clamp(0, ring + 1)], 0.0)  # [H, length, window]
+        out = ((q @ window_features.transpose(-1, -2)) * weights) @ window_values
+        out = out.addcmul_(q @ far_states, c[:, -1, None, None])  # keys older than the band: c_far [S | z]
+        outputs.append(out)
+        # The first `length` window keys leave the band for good: into S, z.
+        far_states = far_states + window_features[:, :, :length].transpose(-1, -2) @ window_values[:, :, :length]
+        ring_features, ring_values = window_features[:, :, length:].clone(), window_values[:, :, length:].clone()
+    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-2)
+    return out, far_states, ring_features, ring_values
+
+
+def normalize_attention(out, dtype):
+    """[numerator | denominator] [B, H, L, e] -> z = numerator / denominator [B, H, L, e - 1] in `dtype`;
+    a query with no key to attend to gets zeros (as `nprf_attention`)."""
+    numerator, denominator = out[..., :-1], out[..., -1:]
+    valid = denominator != 0
+    z = numerator / torch.where(valid, denominator, torch.ones_like(denominator))
+    return z.masked_fill_(~valid, 0.0).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cache
+# ---------------------------------------------------------------------------------------------
+
+
+class NPRFCacheLayer(CacheLayerMixin):
+    """The recurrent state of one NPRF decoder layer (shapes in the module docstring).
+
+    Also kept: `seq_length` (tokens seen, padding included), `real_tokens` [B] (tokens that were not
+    padding: the attention masks of later calls must agree) and the identity of the projection the
+    features were computed with (a feature redraw invalidates the state).
+    """
+
+    is_compileable = False
+    is_croppable = False  # the far sums cannot give a key back
+    supports_early_init = False
+
+    def __init__(self, **kwargs):
+        super().__init__()
+        self.far_states = None
+        self.ring_features = None
+        self.ring_values = None
+        self.real_tokens = None
+        self.seq_length = 0
+        self.projection_id = None
+
+    def lazy_initialization(self, key_states, value_states):
+        raise NotImplementedError(
+            "NPRFCacheLayer builds its state from the prompt (NPRFCache.attend), not from keys and values"
+        )
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise NotImplementedError(
+            "NPRFCache holds recurrent NPRF state, not keys and values: only NPRF decoder self-attention can use it "
+            "(through NPRFCache.attend). Pass a DynamicCache for other attention modules."
+        )
+
+    def get_seq_length(self):
+        return self.seq_length
+
+    def get_mask_sizes(self, query_length):
+        return self.seq_length + query_length, 0
+
+    def get_max_length(self):
+        return -1
+
+    @property
+    def batch_size(self):
+        return -1 if self.far_states is None else self.far_states.shape[0]
+
+    @property
+    def nbytes(self):
+        """Bytes held by the state (constant in the context length)."""
+        tensors = (self.far_states, self.ring_features, self.ring_values, self.real_tokens)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def _tensors(self):
+        return ("far_states", "ring_features", "ring_values", "real_tokens")
+
+    def _apply(self, fn):
+        if self.far_states is not None:
+            for name in self._tensors():
+                setattr(self, name, fn(getattr(self, name)))
+
+    def reset(self):
+        self.__init__()
+
+    def reorder_cache(self, beam_idx):
+        self._apply(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats):
+        self._apply(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices):
+        self._apply(lambda t: t[indices, ...])
+
+    def crop(self, tokens_to_remove):
+        raise ValueError(
+            "NPRFCache cannot be cropped: its far sums S, z cannot give tokens back. Use "
+            "cache_implementation='dynamic' (a growing key/value cache) for assisted decoding or other rollbacks."
+        )
+
+    def offload(self):  # a few hundred KiB per layer whatever the context: nothing worth offloading
+        pass
+
+    def prefetch(self):
+        pass
+
+
+class NPRFCache(Cache):
+    """Constant-size cache of NPRF decoder self-attention for `generate()`: per layer the far sums S, z and
+    the last W - 1 keys' features and values (`NPRFCacheLayer`), so a generated token costs
+    O(W (m + d) + m d) per head whatever the context length.
+
+    Args:
+        config: the model config (to create one layer per hidden layer up front), or None (layers are
+            added as the attention modules first use them).
+
+    The NPRF self-attention calls `attend(...)` instead of `update(...)`.
+    """
+
+    def __init__(self, config=None):
+        layers = [NPRFCacheLayer() for _ in range(config.num_hidden_layers)] if config is not None else []
+        super().__init__(layers=layers)
+
+    def layer(self, layer_idx):
+        while len(self.layers) <= layer_idx:
+            self.layers.append(NPRFCacheLayer())
+        return self.layers[layer_idx]
+
+    def nbytes(self, layer_idx=0):
+        """Bytes of layer `layer_idx`'s state."""
+        return self.layer(layer_idx).nbytes
+
+    def attend(
+        self,
+        layer_idx,
+        query,
+        key,
+        value,
+        key_padding_mask,
+        rpe_table,
+        projection,
+        band_width,
+        num_buckets=32,
+        max_distance=128,
+        algorithm="auto",
+        logit_scale=None,
+    ):
+        """Causal NPRF attention of the new tokens to everything the layer has seen, advancing its state.
+
+        The first call (prefill) attends the prompt with `nprf_attention(algorithm=...)` and builds the
+        state from its keys; later calls attend the new tokens to the state (`recurrent_attention`).
+
+        Args:
+            query, key, value: [B, H, L, d] of the L new tokens.
+            key_padding_mask: None or [B, past + L] bool, True = keep (the whole sequence, as generate()
+                passes it); past positions must agree with what the cache saw.
+            rpe_table: [H, num_buckets] unidirectional bucket table. projection: [H, m, d] or [m, d].
+            band_width: W of the unidirectional buckets (`rpe_band_width(..., bidirectional=False)`).
+        Returns:
+            [B, H, L, d] attention output.
+        """
+        layer = self.layer(layer_idx)
+        batch, length = query.shape[0], query.shape[2]
+        past = layer.seq_length
+        mask = self._check_call(layer, layer_idx, batch, length, key_padding_mask, projection)
+        new_mask = None if mask is None else mask[:, past:]
+        dtype = _compute_dtype(query.dtype)
+        # The new keys' features (padded keys zeroed after the map: phi(0) != 0) and [v | 1].
+        phi_k = _normalized_features(key.to(dtype), projection, logit_scale)
+        if new_mask is not None:
+            phi_k = phi_k * new_mask[:, None, :, None].to(dtype)
+        u = _values_and_ones(value.to(dtype))
+        if past == 0:  # prefill: the fast exact algorithms over the prompt, then the state from its keys
+            bias = relative_position_bias(rpe_table, length, False, num_buckets, max_distance)
+            out = nprf_attention(
+                query,
+                key,
+                value,
+                bias,
+                projection,
+                key_padding_mask=mask,
+                algorithm=algorithm,
+                causal=True,
+                band_width=band_width,
+                logit_scale=logit_scale,
+            )
+            state = recurrent_state_from_prefill(phi_k, u, band_width)
+        else:
+            phi_q = _normalized_features(query.to(dtype), projection, logit_scale)
+            bias = causal_distance_bias(rpe_table, band_width, num_buckets, max_distance).to(dtype)
+            c = torch.exp(bias - bias.amax(dim=-1, keepdim=True).detach())  # ratios are shift-invariant; c <= 1
+            state = (layer.far_states, layer.ring_features, layer.ring_values)
+            sums, *state = recurrent_attention(phi_q, phi_k, u, *state, c)
+            out = normalize_attention(sums, query.dtype)
+        layer.far_states, layer.ring_features, layer.ring_values = state
+        real = torch.full((batch,), length, device=query.device) if new_mask is None else new_mask.sum(-1)
+        layer.real_tokens = real if layer.real_tokens is None else layer.real_tokens + real
+        layer.seq_length = past + length
+        layer.projection_id = _projection_id(projection)
+        return out
+
+    def _check_call(self, layer, layer_idx, batch, length, key_padding_mask, projection):
+        """The key padding mask as bool [B, past + L] (or None); a ValueError for what the state cannot honour."""
+        past = layer.seq_length
+        if key_padding_mask is not None:
+            if key_padding_mask.dim() != 2 or key_padding_mask.shape != (batch, past + length):
+                raise ValueError(
+                    f"NPRFCache layer {layer_idx} has seen {past} tokens: the key padding mask must be "
+                    f"[B={batch}, past + new = {past + length}], got {tuple(key_padding_mask.shape)}"
+                )
+            key_padding_mask = key_padding_mask.bool()
+        if past == 0:
+            return key_padding_mask
+        if layer.far_states.shape[0] != batch:
+            raise ValueError(
+                f"NPRFCache layer {layer_idx} holds a batch of {layer.far_states.shape[0]} sequences, "
+                f"got {batch} new ones"
+            )
+        if layer.projection_id != _projection_id(projection):
+            raise ValueError(
+                f"the random projection of layer {layer_idx} changed since NPRFCache was built (a feature redraw "
+                "or new weights): its state was computed with the old features; start again with a new cache"
+            )
+        if layer_idx != 0 or torch.compiler.is_compiling():  # every layer sees the same mask: one host sync per step
+            return key_padding_mask
+        seen = (
+            torch.full_like(layer.real_tokens, past) if key_padding_mask is None else key_padding_mask[:, :past].sum(-1)
+        )
+        if not bool((seen == layer.real_tokens).all()):
+            raise ValueError(
+                "the attention mask of the past tokens differs from the one NPRFCache saw when it consumed them (past "
+                "padding cannot be changed after the fact: their keys are already in the far sums S, z)"
+            )
+        return key_padding_mask
+
+
+def _projection_id(projection):
+    """Identity of a projection's current values: storage and version counter (bumped by in-place writes,
+    e.g. a feature redraw or load_state_dict)."""
+    return (projection.data_ptr(), projection._version, projection.dtype, projection.device)
+
+
+def find_nprf_cache(past_key_values):
+    """The NPRFCache in `past_key_values` (itself, or the self-attention part of an EncoderDecoderCache), or None."""
+    cache = getattr(past_key_values, "self_attention_cache", past_key_values)
+    return cache if isinstance(cache, NPRFCache) else None
+
+
+def default_decoder_cache(config, cross_attention=False):
+    """The cache an NPRF decoder uses when none is given: an NPRFCache for the self-attention (with a DynamicCache
+    for HF's softmax cross-attention when the decoder reads encoder states)."""
+    cache = NPRFCache(config)
+    return EncoderDecoderCache(cache, DynamicCache(config=config)) if cross_attention else cache
+
+
+class NPRFGenerationMixin:
+    """generate() of the NPRF decoders: an NPRFCache unless told otherwise, no feature redraw while generating, and
+    RoBERTa's position numbering for absolute position embeddings.
+
+    `cache_implementation="dynamic"` (or a Cache passed as `past_key_values`) keeps HF's growing key/value cache,
+    which NPRF attention also accepts (it then recomputes the attention over all cached keys at every step).
+    Assisted generation needs a cache that can be cropped and `output_attentions=True` every past key, so both
+    keep the dynamic cache too.
+    """
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, *args, **kwargs):
+        if generation_config.cache_implementation not in (None, "dynamic", "offloaded"):
+            raise ValueError(
+                f"cache_implementation={generation_config.cache_implementation!r} is not supported by NPRF decoders: "
+                "leave it unset (NPRFCache, constant size) or use 'dynamic' (a growing key/value cache)"
+            )
+        if (
+            model_kwargs.get("past_key_values") is None
+            and generation_config.use_cache is not False
+            and generation_config.cache_implementation is None
+            and getattr(generation_mode, "value", generation_mode) != "assisted_generation"
+            and not generation_config.is_assistant
+            and not generation_config.output_attentions  # the weights of every step need every past key
+        ):
+            cross_attention = model_kwargs.get("encoder_hidden_states") is not None
+            model_kwargs["past_key_values"] = default_decoder_cache(self.config, cross_attention)
+            return
+        return super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, *args, **kwargs)
+
+    def _prepare_position_ids_for_generation(self, inputs_tensor, model_kwargs):
+        """generate() numbers positions from 0, RoBERTa's embeddings from padding_idx + 1 (pads: padding_idx); shift
+        them so that absolute position embeddings see what a forward pass without position_ids sees."""
+        position_ids = super()._prepare_position_ids_for_generation(inputs_tensor, model_kwargs)
+        padding_idx = getattr(getattr(self.base_model, "embeddings", None), "padding_idx", None)
+        if padding_idx is None or position_ids is None:  # padding_idx: families whose positions start after it
+            return position_ids
+        shifted = position_ids + padding_idx + 1
+        mask = model_kwargs.get("attention_mask")
+        return shifted if mask is None or mask.shape != shifted.shape else shifted.masked_fill(mask == 0, padding_idx)
+
+    def generate(self, *args, **kwargs):
+        # A redraw would change phi for the keys already in the cache (and the sequence's own attention midway).
+        suspended = [module for module in self.modules() if hasattr(module, "redraw_suspended")]
+        previous = [module.redraw_suspended for module in suspended]
+        for module in suspended:
+            module.redraw_suspended = True
+        try:
+            return super().generate(*args, **kwargs)
+        finally:
+            for module, value in zip(suspended, previous):
+                module.redraw_suspended = value
+
+
+__all__ = [
+    "NPRFCache",
+    "NPRFGenerationMixin",
+    "NPRFCacheLayer",
+    "causal_distance_bias",
+    "normalize_attention",
+    "recurrent_attention",
+    "recurrent_state_from_prefill",
+]

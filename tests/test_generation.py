@@ -1,0 +1,384 @@
+"""Recurrent NPRF decoding (issue 14): generate() through NPRFCache gives the logits of one full forward pass
+at every generated position; tiny decoders on CPU."""
+
+import pytest
+import torch
+
+from nprf_hf import NPRFRobertaConfig, NPRFRobertaForCausalLM
+from nprf_hf import cache_nprf, functional
+from nprf_hf.cache_nprf import NPRFCache, causal_distance_bias, recurrent_attention, recurrent_state_from_prefill
+from nprf_hf.functional import _toeplitz, _values_and_ones, relative_position_bias, rpe_band_width
+from transformers import DynamicCache
+
+
+# 8 buckets / max distance 16 give a band of W = 12 (unidirectional): prompts of 5 and 30 tokens lie on
+# both sides of it, and 30 + the new tokens let keys leave the band during generation.
+TINY = dict(
+    vocab_size=99,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    intermediate_size=37,
+    num_random_features=16,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+    rpe_num_buckets=8,
+    rpe_max_distance=16,
+    position_embedding_type="none",
+    is_decoder=True,
+    pad_token_id=1,
+)
+W = rpe_band_width(8, 16, bidirectional=False)
+
+
+def decoder(dtype=torch.float64, seed=0, **overrides):
+    """A decoder whose every weight matters: all parameters drawn at a scale where attention moves the logits."""
+    model = NPRFRobertaForCausalLM(NPRFRobertaConfig(**{**TINY, **overrides})).eval().to(dtype)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            std = 1.0 if name.endswith("rpe_table") else 0.3
+            param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float64) * std)
+    return model
+
+
+def left_padded(batch_lengths, total, seed=0):
+    """input_ids [B, total] and attention_mask with row b's last batch_lengths[b] tokens real."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, TINY["vocab_size"], (len(batch_lengths), total), generator=generator)
+    mask = torch.zeros_like(input_ids)
+    for row, length in enumerate(batch_lengths):
+        mask[row, total - length :] = 1
+        input_ids[row, : total - length] = TINY["pad_token_id"]
+    return input_ids, mask
+
+
+def decode_logits(model, input_ids, attention_mask, prompt_length, cache=None):
+    """Logits of every position from prompt_length - 1 on: prefill, then one token per forward."""
+    out = model(input_ids[:, :prompt_length], attention_mask=attention_mask[:, :prompt_length], past_key_values=cache)
+    cache, logits = out.past_key_values, [out.logits[:, -1]]
+    for t in range(prompt_length, input_ids.shape[1]):
+        out = model(input_ids[:, t : t + 1], attention_mask=attention_mask[:, : t + 1], past_key_values=cache)
+        logits.append(out.logits[:, -1])
+    return torch.stack(logits, 1), cache
+
+
+# ---------------------------------------------------------------------------------------------
+# The pure functions against a float64 dense reference
+# ---------------------------------------------------------------------------------------------
+
+
+def dense_causal_reference(phi_q, phi_k, u, table, num_buckets=8, max_distance=16):
+    """sum_{j <= i} c_{j-i} phi(q_i).phi(k_j) u_j with the whole unidirectional Toeplitz matrix."""
+    n = phi_q.shape[-2]
+    bias = relative_position_bias(table, n, False, num_buckets, max_distance)
+    c = torch.exp(bias).masked_fill(torch.arange(2 * n - 1) > n - 1, 0.0)
+    return ((phi_q @ phi_k.transpose(-1, -2)) * _toeplitz(c, n)) @ u
+
+
+@pytest.mark.parametrize("prompt", [1, 5, W - 1, W, 30])
+@pytest.mark.parametrize("block", [1, 4, 128])
+def test_recurrent_attention_equals_the_dense_product(prompt, block, monkeypatch):
+    monkeypatch.setattr(cache_nprf, "DECODE_BLOCK", block)
+    generator = torch.Generator().manual_seed(prompt)
+    batch, heads, n, m, d = 2, 3, 45, 6, 5
+    phi_q, phi_k = torch.rand(2, batch, heads, n, m, generator=generator, dtype=torch.float64).unbind(0)
+    phi_k[1, :, :3] = 0.0  # left padding of row 1
+    u = _values_and_ones(torch.randn(batch, heads, n, d, generator=generator, dtype=torch.float64))
+    table = torch.randn(heads, 8, generator=generator, dtype=torch.float64)
+    expected = dense_causal_reference(phi_q, phi_k, u, table)
+
+    state = recurrent_state_from_prefill(phi_k[:, :, :prompt], u[:, :, :prompt], W)
+    assert state[1].shape == (batch, heads, W - 1, m) and state[2].shape == (batch, heads, W - 1, d + 1)
+    c = torch.exp(causal_distance_bias(table, W, 8, 16))
+    # the rest in two calls: a chunk of several tokens, then one token at a time
+    outs, middle = [], min(prompt + 17, n)
+    for start, stop in [(prompt, middle)] + [(t, t + 1) for t in range(middle, n)]:
+        new = slice(start, stop)
+        out, *state = recurrent_attention(phi_q[:, :, new], phi_k[:, :, new], u[:, :, new], *state, c)
+        outs.append(out)
+    torch.testing.assert_close(torch.cat(outs, -2), expected[:, :, prompt:], rtol=1e-12, atol=1e-12)
+    # S, z hold exactly the keys older than the band
+    far = n - (W - 1)
+    torch.testing.assert_close(state[0], phi_k[:, :, :far].transpose(-1, -2) @ u[:, :, :far], rtol=1e-12, atol=1e-12)
+
+
+def test_far_bias_is_constant_beyond_the_band():
+    table = torch.randn(2, 8, dtype=torch.float64)
+    bias = relative_position_bias(table, 200, False, 8, 16)[:, :200].flip(-1)  # b_{-delta}, delta = 0 .. 199
+    by_distance = causal_distance_bias(table, W, 8, 16)
+    torch.testing.assert_close(bias[:, :W], by_distance[:, :W])
+    assert (bias[:, W:] == by_distance[:, W:]).all()
+    assert not (bias[:, W - 1] == by_distance[:, W]).all()  # W is the smallest such width
+
+
+# ---------------------------------------------------------------------------------------------
+# The model: every generated position equals one full forward pass
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("algorithm", ["dense", "fft", "banded", "auto"])
+# 60 > 3 chunks of 16 tokens: the banded prefill really uses its band (below that it is the dense product)
+@pytest.mark.parametrize("prompt_lengths", [(5, 3), (60, 47)], ids=["shorter-than-W", "longer-than-W"])
+def test_cached_decoding_equals_the_full_forward_float64(algorithm, prompt_lengths, monkeypatch):
+    model = decoder(attention_algorithm=algorithm)
+    prompt, new = max(prompt_lengths), 20
+    input_ids, mask = left_padded(prompt_lengths, prompt + new)
+    mask[:, prompt:] = 1
+    full = model(input_ids, attention_mask=mask, use_cache=False).logits
+    band_products = []
+    original = functional._BandWindowProduct.apply
+    spy = staticmethod(lambda *args: band_products.append(1) or original(*args))
+    monkeypatch.setattr(functional._BandWindowProduct, "apply", spy)
+    logits, cache = decode_logits(model, input_ids, mask, prompt)
+    assert bool(band_products) == (algorithm == "banded" and prompt > 48)  # the banded prefill used its band
+    assert isinstance(cache, NPRFCache) and cache.get_seq_length() == prompt + new
+    real = mask[:, prompt - 1 :].bool()
+    torch.testing.assert_close(logits[real], full[:, prompt - 1 :][real], rtol=0, atol=1e-10)
+    # the keys older than the band matter: without their far sums the logits are not these
+    assert (logits - full.roll(1, dims=1)[:, prompt - 1 :]).abs().max() > 1e-3
+
+
+def test_exactness_check_can_fail(monkeypatch):
+    model = decoder()
+    input_ids, mask = left_padded((30, 22), 50)
+    mask[:, 30:] = 1
+    full = model(input_ids, attention_mask=mask, use_cache=False).logits
+    wrong = causal_distance_bias
+
+    def wrong_far_bias(*args, **kwargs):
+        bias = wrong(*args, **kwargs).clone()
+        bias[:, -1] += 1e-3
+        return bias
+
+    monkeypatch.setattr(cache_nprf, "causal_distance_bias", wrong_far_bias)
+    logits, _ = decode_logits(model, input_ids, mask, 30)
+    assert (logits - full[:, 29:]).abs().max() > 1e-8
+
+
+def test_multi_token_continuation_and_logit_scale():
+    model = decoder(logit_scale_max=4.0)
+    with torch.no_grad():
+        for layer in model.roberta.encoder.layer:
+            layer.attention.self.logit_scale_logit.normal_(0.0, 1.0)
+    input_ids, mask = left_padded((40, 33), 60)
+    mask[:, 40:] = 1
+    full = model(input_ids, attention_mask=mask, use_cache=False).logits
+    first = model(input_ids[:, :9], attention_mask=mask[:, :9])
+    rest = model(input_ids[:, 9:], attention_mask=mask, past_key_values=first.past_key_values)
+    got = torch.cat([first.logits, rest.logits], 1)
+    real = mask.bool()
+    torch.testing.assert_close(got[real], full[real], rtol=0, atol=1e-10)
+
+
+def test_generate_float32_greedy_sampling_and_beams():
+    model = decoder(dtype=torch.float32)
+    input_ids, mask = left_padded((30, 17), 30)
+    kwargs = dict(attention_mask=mask, max_new_tokens=24, return_dict_in_generate=True, output_logits=True,
+                  pad_token_id=1)
+    greedy = model.generate(input_ids, do_sample=False, **kwargs)
+    assert isinstance(greedy.past_key_values, NPRFCache)
+    full_mask = torch.cat([mask, torch.ones(2, 24, dtype=mask.dtype)], 1)
+    full = model(greedy.sequences, attention_mask=full_mask, use_cache=False).logits
+    torch.testing.assert_close(torch.stack(greedy.logits, 1), full[:, 29:-1], rtol=0, atol=1e-5)
+    uncached = model.generate(input_ids, do_sample=False, use_cache=False, **kwargs)
+    dynamic = model.generate(input_ids, do_sample=False, cache_implementation="dynamic", **kwargs)
+    assert isinstance(dynamic.past_key_values, DynamicCache)
+    assert torch.equal(greedy.sequences, uncached.sequences) and torch.equal(greedy.sequences, dynamic.sequences)
+
+    sampled = []
+    for use_cache in (True, False):
+        torch.manual_seed(3)
+        sampled.append(model.generate(input_ids, do_sample=True, top_k=0, use_cache=use_cache, **kwargs))
+    assert torch.equal(sampled[0].sequences, sampled[1].sequences)
+    assert not torch.equal(sampled[0].sequences, greedy.sequences)  # it did sample
+    full = model(sampled[0].sequences, attention_mask=full_mask, use_cache=False).logits
+    torch.testing.assert_close(torch.stack(sampled[0].logits, 1), full[:, 29:-1], rtol=0, atol=1e-5)
+
+    beams = {}
+    options_by_name = {"nprf": {}, "uncached": {"use_cache": False}, "dynamic": {"cache_implementation": "dynamic"}}
+    for name, options in options_by_name.items():
+        beams[name] = model.generate(
+            input_ids, attention_mask=mask, max_new_tokens=12, num_beams=3, num_return_sequences=2, do_sample=False,
+            return_dict_in_generate=True, output_scores=True, pad_token_id=1, **options,
+        )
+    assert isinstance(beams["nprf"].past_key_values, NPRFCache)
+    for name in ("uncached", "dynamic"):
+        assert torch.equal(beams["nprf"].sequences, beams[name].sequences), name
+        torch.testing.assert_close(beams["nprf"].sequences_scores, beams[name].sequences_scores, rtol=0, atol=1e-5)
+
+
+def test_returned_cache_continues_generation():
+    model = decoder()
+    input_ids, mask = left_padded((30, 17), 30)
+    first = model.generate(input_ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=1,
+                           return_dict_in_generate=True)
+    cache = first.past_key_values
+    assert isinstance(cache, NPRFCache) and cache.get_seq_length() == 37  # the last token is not yet in it
+    mask2 = torch.cat([mask, torch.ones(2, 8, dtype=mask.dtype)], 1)
+    again = model.generate(first.sequences, attention_mask=mask2, past_key_values=cache, max_new_tokens=10,
+                           do_sample=False, pad_token_id=1)
+    scratch = model.generate(first.sequences, attention_mask=mask2, max_new_tokens=10, do_sample=False, pad_token_id=1)
+    assert torch.equal(again, scratch)
+    assert torch.equal(again[:, :38], first.sequences)
+
+
+def test_generation_never_redraws_the_features():
+    model = decoder(feature_redraw_interval=1).train()  # dropout is 0: train mode only enables redraws
+    input_ids, mask = left_padded((30, 17), 30)
+    projections = [layer.attention.self.projection.clone() for layer in model.roberta.encoder.layer]
+    for use_cache in (True, False):
+        out = model.generate(input_ids, attention_mask=mask, max_new_tokens=15, do_sample=False, pad_token_id=1,
+                             use_cache=use_cache)
+    for layer, projection in zip(model.roberta.encoder.layer, projections):
+        assert torch.equal(layer.attention.self.projection, projection)
+    assert not model.roberta.encoder.redraw_suspended
+    full_mask = torch.cat([mask, torch.ones(2, 15, dtype=mask.dtype)], 1)
+    expected = model.eval().generate(input_ids, attention_mask=mask, max_new_tokens=15, do_sample=False, pad_token_id=1)
+    assert torch.equal(out, expected)
+    # a redraw between calls invalidates a cache: a clear error instead of features of two draws
+    cache = model(out, attention_mask=full_mask).past_key_values
+    model.roberta.encoder.layer[0].attention.self.redraw_projection(5)
+    with pytest.raises(ValueError, match="projection of layer 0 changed"):
+        model(out[:, -1:], attention_mask=torch.cat([full_mask, full_mask[:, :1]], 1), past_key_values=cache)
+    # and training forward passes still redraw
+    model.train()(out)
+    assert not torch.equal(model.roberta.encoder.layer[1].attention.self.projection, projections[1])
+
+
+def test_use_cache_false_and_explicit_dynamic_cache_keep_the_old_paths():
+    model = decoder()
+    input_ids, mask = left_padded((30, 17), 30)
+    out = model(input_ids, attention_mask=mask, use_cache=False)
+    assert out.past_key_values is None
+    cached = model(input_ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config))
+    assert isinstance(cached.past_key_values, DynamicCache)
+    torch.testing.assert_close(cached.logits, out.logits, rtol=0, atol=1e-12)
+    default = model(input_ids, attention_mask=mask)
+    assert isinstance(default.past_key_values, NPRFCache)
+    torch.testing.assert_close(default.logits, out.logits, rtol=0, atol=1e-12)
+
+
+def test_cache_memory_is_constant_in_the_context_length():
+    model = decoder(dtype=torch.float32)
+    sizes = []
+    for length in (5, 30, 200):
+        cache = model(torch.randint(3, 99, (1, length))).past_key_values
+        sizes.append([cache.nbytes(i) for i in range(TINY["num_hidden_layers"])])
+    assert sizes[0] == sizes[1] == sizes[2]
+    # and no state tensor is a view that keeps a larger buffer (the prompt's features, a decode window) alive
+    model(torch.randint(3, 99, (1, 3)), past_key_values=cache)
+    for layer in cache.layers:
+        for tensor in (layer.far_states, layer.ring_features, layer.ring_values):
+            assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    heads, m, d = 2, 16, 16
+    assert sizes[0][0] == 4 * heads * (m * (d + 1) + (W - 1) * (m + d + 1)) + 8  # + the real-token count
+
+
+def test_bad_uses_of_the_cache_raise():
+    model = decoder()
+    input_ids, mask = left_padded((30, 17), 31)
+    cache = model(input_ids[:, :30], attention_mask=mask[:, :30]).past_key_values
+    with pytest.raises(ValueError, match="output_attentions"):
+        model(input_ids[:, 30:], attention_mask=mask, past_key_values=cache, output_attentions=True)
+    changed = mask.clone()
+    changed[1, 20] = 0  # past padding cannot change after the fact
+    with pytest.raises(ValueError, match="attention mask of the past tokens"):
+        model(input_ids[:, 30:], attention_mask=changed, past_key_values=cache)
+    with pytest.raises(ValueError, match="attention_mask must be"):
+        model(input_ids[:, 30:], attention_mask=mask[:, 1:], past_key_values=cache)
+    with pytest.raises(ValueError, match="batch of 2"):
+        model(input_ids[:1, 30:], past_key_values=cache)
+    with pytest.raises(ValueError, match="cannot be cropped"):
+        cache.crop(-1)
+    with pytest.raises(NotImplementedError, match="recurrent NPRF state"):
+        cache.update(torch.zeros(2, 2, 1, 16), torch.zeros(2, 2, 1, 16), 0)
+    two = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+    block = two.bool()[:, None, None, :] & torch.ones(32, 32, dtype=torch.bool).tril()[None, None, 30:]
+    block[0, 0, 1, 5] = False  # the second new token may not see a key the first one sees: not padding
+    with pytest.raises(ValueError, match="padding masks"):
+        model(torch.cat([input_ids[:, 30:], input_ids[:, 30:]], 1), attention_mask=block, past_key_values=cache)
+    encoder = decoder(is_decoder=False)
+    with pytest.raises(ValueError, match="decoder self-attention"):
+        encoder.roberta(input_ids, past_key_values=NPRFCache())
+
+
+def test_output_attentions_falls_back_to_the_dynamic_cache():
+    model = decoder()
+    input_ids, mask = left_padded((30, 17), 30)
+    out = model(input_ids, attention_mask=mask, output_attentions=True)
+    assert isinstance(out.past_key_values, DynamicCache) and out.attentions[0].shape == (2, 2, 30, 30)
+    generated = model.generate(input_ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=1,
+                               output_attentions=True, return_dict_in_generate=True)
+    assert isinstance(generated.past_key_values, DynamicCache) and len(generated.attentions) == 3
+    four_d = mask.bool()[:, None, None, :] & torch.ones(30, 30, dtype=torch.bool).tril()  # a 4D mask: the old path too
+    assert isinstance(model(input_ids, attention_mask=four_d).past_key_values, DynamicCache)
+
+
+def test_gradients_through_the_cache_equal_those_of_the_full_forward():
+    model = decoder().train()  # dropout is 0
+    input_ids, mask = left_padded((40, 33), 60)
+    model(input_ids, attention_mask=mask, use_cache=False).logits.sum().backward()
+    expected = {name: param.grad.clone() for name, param in model.named_parameters()}
+    model.zero_grad()
+    first = model(input_ids[:, :25], attention_mask=mask[:, :25])
+    rest = model(input_ids[:, 25:], attention_mask=mask, past_key_values=first.past_key_values)
+    (first.logits.sum() + rest.logits.sum()).backward()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, expected[name], rtol=1e-9, atol=1e-9, msg=name)
+    assert expected["roberta.encoder.rpe_table"].abs().max() > 0
+
+
+def test_static_cache_implementations_are_refused():
+    model = decoder()
+    input_ids, mask = left_padded((30, 17), 30)
+    with pytest.raises(ValueError, match="cache_implementation='static' is not supported"):
+        model.generate(input_ids, attention_mask=mask, max_new_tokens=2, pad_token_id=1, cache_implementation="static")
+
+
+def test_absolute_positions_are_numbered_as_in_a_forward_pass():
+    # generate() numbers positions from 0; RoBERTa's embeddings from padding_idx + 1 (HF's own
+    # RobertaForCausalLM is off by padding_idx + 1 in transformers 5.23)
+    model = decoder(position_embedding_type="absolute", max_position_embeddings=80)
+    input_ids, mask = left_padded((30, 17), 30)
+    out = model.generate(input_ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=1,
+                         return_dict_in_generate=True, output_logits=True)
+    full_mask = torch.cat([mask, torch.ones(2, 10, dtype=mask.dtype)], 1)
+    full = model(out.sequences, attention_mask=full_mask, use_cache=False).logits
+    torch.testing.assert_close(torch.stack(out.logits, 1).double(), full[:, 29:-1], rtol=0, atol=1e-5)
+
+
+def test_decoder_with_cross_attention_keeps_its_self_attention_state_in_an_nprf_cache():
+    model = decoder(add_cross_attention=True)
+    input_ids, mask = left_padded((30, 17), 30)
+    encoder_states = torch.randn(2, 7, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    out = model.generate(input_ids, attention_mask=mask, encoder_hidden_states=encoder_states, max_new_tokens=10,
+                         do_sample=False, pad_token_id=1, return_dict_in_generate=True, output_logits=True)
+    assert isinstance(out.past_key_values.self_attention_cache, NPRFCache)
+    assert isinstance(out.past_key_values.cross_attention_cache, DynamicCache)
+    full_mask = torch.cat([mask, torch.ones(2, 10, dtype=mask.dtype)], 1)
+    full = model(out.sequences, attention_mask=full_mask, encoder_hidden_states=encoder_states, use_cache=False).logits
+    torch.testing.assert_close(torch.stack(out.logits, 1).double(), full[:, 29:-1], rtol=0, atol=1e-5)
+
+
+def test_chunked_prefill_goes_through_the_recurrent_continuation():
+    model = decoder(dtype=torch.float32)
+    input_ids, mask = left_padded((30, 17), 30)
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=1, return_dict_in_generate=True,
+                  output_logits=True)
+    chunked = model.generate(input_ids, prefill_chunk_size=7, **kwargs)  # 7 tokens, then 4 continuations of up to 7
+    assert isinstance(chunked.past_key_values, NPRFCache)
+    uncached = model.generate(input_ids, use_cache=False, **kwargs)
+    assert torch.equal(chunked.sequences, uncached.sequences)
+    torch.testing.assert_close(torch.stack(chunked.logits), torch.stack(uncached.logits), rtol=0, atol=1e-5)
+
+
+def test_half_precision_keeps_the_state_in_float32():
+    model = decoder(dtype=torch.bfloat16)
+    input_ids, mask = left_padded((30, 17), 40)
+    mask[:, 30:] = 1
+    full = model(input_ids, attention_mask=mask, use_cache=False).logits.float()
+    logits, cache = decode_logits(model, input_ids, mask, 30)
+    assert cache.layers[0].far_states.dtype == torch.float32 and logits.dtype == torch.bfloat16
+    # the attention runs in float32 on both sides; what differs is rounded to bfloat16 (a few ulps of 2^-7 at most)
+    assert (logits.float() - full[:, 29:]).abs().max() <= 0.05
