@@ -14,7 +14,7 @@ from transformers import (
 
 from . import functional
 from .configuration_nprf import NPRFBertConfig, NPRFRobertaConfig
-from .convert import convert_to_nprf
+from .convert import convert_checkpoint, convert_to_nprf
 from .transfer import TransferReport, attention_transfer, read_transfer_texts
 from .modeling_nprf import (
     NPRFBertForMaskedLM,
@@ -55,6 +55,7 @@ AutoModelForCausalLM.register(NPRFRobertaConfig, NPRFRobertaForCausalLM, exist_o
 __all__ = [
     "functional",
     "convert_to_nprf",
+    "convert_checkpoint",
     "attention_transfer",
     "read_transfer_texts",
     "TransferReport",
