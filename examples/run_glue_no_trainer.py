@@ -139,11 +139,11 @@ def find_checkpoint(args):
             if (m := CHECKPOINT_PATTERN.match(d)) and os.path.isdir(os.path.join(args.output_dir, d))
         ]
         if not found:
-            raise ValueError(f"--resume_from_checkpoint latest: no epoch_N / step_N folder in {args.output_dir}")
+            raise glue.UsageError(f"--resume_from_checkpoint latest: no epoch_N / step_N folder in {args.output_dir}")
         path = os.path.join(args.output_dir, max(found, key=lambda item: item[1])[2])
     match = CHECKPOINT_PATTERN.match(os.path.basename(os.path.normpath(path)))
     if not os.path.isdir(path) or match is None:
-        raise ValueError(f"--resume_from_checkpoint must be an epoch_N or step_N folder written by this script: {path!r}")
+        raise glue.UsageError(f"--resume_from_checkpoint must be an epoch_N or step_N folder written by this script: {path!r}")
     return path, match.group(1), int(match.group(2))
 
 
@@ -166,6 +166,7 @@ def evaluate(model, dataloader, accelerator, info):
 
 def main(argv=None):
     args = parse_args(argv)
+    glue.check_model_path(args.model_name_or_path, args.tokenizer_name)
 
     accelerator_kwargs = {"gradient_accumulation_steps": args.gradient_accumulation_steps, "cpu": args.cpu}
     if args.mixed_precision is not None:
@@ -214,7 +215,7 @@ def main(argv=None):
     )
     info = glue.glue_task_info(raw_datasets, args.task_name)
     if "train" not in raw_datasets or not info.eval_splits:
-        raise ValueError(f"need a train and a validation split; have {list(raw_datasets)}")
+        raise glue.UsageError(f"need a train and a validation split; have {list(raw_datasets)}")
 
     config = AutoConfig.from_pretrained(
         args.model_name_or_path,
@@ -430,4 +431,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    glue.run_script(main, "run_glue_no_trainer.py")

@@ -238,3 +238,30 @@ def test_missing_local_path_is_reported_at_once(tmp_path, capsys):
     assert cli_main(["convert", missing, str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert f"no such directory: {missing}" in err and "Repo id" not in err and len(err.strip().splitlines()) == 1
+
+
+# ---- 9. the GLUE scripts report user errors in one line, exit 2 -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "script, args, message",
+    [
+        ("run_glue.py", ["--task_name", "sst-3"], "task_name='sst-3' is not a GLUE task; allowed values: cola"),
+        ("run_glue.py", ["--task_name", "sst2", "--glue_dir", "{tmp}/no-glue"], "no such directory: glue_dir="),
+        ("run_glue_no_trainer.py", ["--model_name_or_path", "./no-model", "--task_name", "sst2"],
+         "no such directory: ./no-model"),
+    ],
+)
+def test_glue_scripts_report_user_errors_in_one_line(tmp_path, script, args, message):
+    args = [a.format(tmp=tmp_path) for a in args]
+    if "--model_name_or_path" not in args:
+        args = ["--model_name_or_path", _minilm_path(), *args]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=REPO_ROOT)
+    result = subprocess.run(
+        [sys.executable, os.path.join(REPO_ROOT, "examples", script), *args, "--output_dir", str(tmp_path / "out")],
+        capture_output=True, text=True, env=env, cwd=str(tmp_path), stdin=subprocess.DEVNULL, timeout=300,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert errors == [f"{script}: error: " + errors[0].split("error: ", 1)[1]] and message in errors[0], result.stderr
