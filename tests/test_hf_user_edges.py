@@ -265,3 +265,21 @@ def test_glue_scripts_report_user_errors_in_one_line(tmp_path, script, args, mes
     assert "Traceback" not in result.stderr
     errors = [line for line in result.stderr.splitlines() if "error:" in line]
     assert errors == [f"{script}: error: " + errors[0].split("error: ", 1)[1]] and message in errors[0], result.stderr
+
+
+@needs_sentence_transformers
+def test_sentence_embedding_benchmark_small(tmp_path):
+    sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
+    try:
+        import sentence_embedding
+    finally:
+        sys.path.pop(0)
+    results = sentence_embedding.main(
+        ["--length", "600", "--docs", "1", "--num-random-features", "8", "--threads", "1", "--output", str(tmp_path / "r")]
+    )
+    saved = json.load(open(tmp_path / "r.json"))
+    assert saved["length"] == 600 and set(saved["variants"]) == {"nprf", "softmax"}
+    assert all(v["seconds_per_doc"] > 0 for v in saved["variants"].values())
+    assert saved["softmax_over_nprf"] == pytest.approx(
+        results["variants"]["softmax"]["seconds_per_doc"] / results["variants"]["nprf"]["seconds_per_doc"]
+    )
