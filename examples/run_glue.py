@@ -168,6 +168,7 @@ def load_model_and_tokenizer(model_args, num_labels, task_name):
         finetuning_task=task_name,
         **hub_kwargs,
     )
+    glue.record_task(config, task_name)
     tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_args.model_name_or_path, **hub_kwargs)
     model = AutoModelForSequenceClassification.from_pretrained(
         model_args.model_name_or_path,
@@ -352,7 +353,10 @@ def main(argv=None):
             )
     elif training_args.push_to_hub:
         trainer.push_to_hub(**kwargs)
-    elif training_args.do_train:
+    elif training_args.do_train and not glue.write_nprf_card(
+        training_args.output_dir, model, info.task_name, model_args.model_name_or_path,
+        main_process=trainer.is_world_process_zero(),
+    ):
         trainer.create_model_card(**kwargs)
     return combined if training_args.do_eval else None
 

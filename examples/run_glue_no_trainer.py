@@ -223,6 +223,7 @@ def main(argv=None):
         finetuning_task=info.task_name,
         trust_remote_code=args.trust_remote_code,
     )
+    glue.record_task(config, info.task_name)
     tokenizer = AutoTokenizer.from_pretrained(
         args.tokenizer_name or args.model_name_or_path, trust_remote_code=args.trust_remote_code
     )
@@ -418,7 +419,9 @@ def main(argv=None):
                     args.output_dir, repo_id, card_kwargs={"task_name": info.task_name},
                     token=args.hub_token, commit_message="End of training",
                 )
-            elif args.push_to_hub:
+            else:
+                glue.write_nprf_card(args.output_dir, unwrapped_model, info.task_name, args.model_name_or_path)
+            if args.push_to_hub and not unwrapped_model.config.model_type.startswith("nprf_"):
                 api.upload_folder(
                     repo_id=repo_id,
                     folder_path=args.output_dir,
