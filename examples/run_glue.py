@@ -201,6 +201,8 @@ def main(argv=None):
         training_args.world_size,
         training_args.device,
     )
+    if training_args.device.type == "cpu":
+        training_args.dataloader_pin_memory = False  # pinning needs an accelerator; on CPU torch only warns
     logger.info("Training/evaluation parameters %s", training_args)
 
     set_seed(training_args.seed)
