@@ -201,6 +201,7 @@ def main(argv=None):
         training_args.world_size,
         training_args.device,
     )
+    glue.quiet_unless_main(training_args.process_index == 0)
     if training_args.device.type == "cpu":
         training_args.dataloader_pin_memory = False  # pinning needs an accelerator; on CPU torch only warns
     logger.info("Training/evaluation parameters %s", training_args)

@@ -191,6 +191,7 @@ def main(argv=None):
     else:
         datasets.utils.logging.set_verbosity_error()
         transformers.utils.logging.set_verbosity_error()
+    glue.quiet_unless_main(accelerator.is_main_process)
 
     set_seed(args.seed)
 

@@ -626,6 +626,19 @@ def check_conversion_flags(args):
             raise UsageError(f"--{name} is only used with --convert_to_nprf")
 
 
+def quiet_unless_main(main_process):
+    """On every process but the main one: no INFO logs from nprf_hf (conversion report, transfer report) and no
+    datasets / transformers progress bars, so a multi-process run (accelerate launch, torchrun) prints each of them once."""
+    if main_process:
+        return
+    logging.getLogger("nprf_hf").setLevel(logging.WARNING)
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()  # "Loading weights" bars
+
+
 def record_task(config, task_name):
     """Store the task in `config.finetuning_task`: transformers 5 drops `from_pretrained(finetuning_task=...)`,
     and the saved config is where `nprf-hf card` (and other tools) look for it."""

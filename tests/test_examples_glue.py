@@ -420,7 +420,7 @@ def test_two_process_data_parallel(tiny_model, tmp_path, script):
         "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()), script,
         "--model_name_or_path", tiny_model, "--task_name", "mrpc", "--glue_dir", DATA, "--output_dir", str(out),
         "--max_train_samples", "24", "--max_eval_samples", "21", "--per_device_train_batch_size", "4",
-        "--num_train_epochs", "1", "--learning_rate", "1e-3",
+        "--num_train_epochs", "1", "--learning_rate", "1e-3", "--convert_to_nprf",
     ]
     if script == RUN_GLUE:
         command += ["--do_train", "--do_eval", "--save_strategy", "no"]
@@ -431,6 +431,12 @@ def test_two_process_data_parallel(tiny_model, tmp_path, script):
     assert "Num processes: 2" in log or "world size: 2" in log
     writes = re.findall(r"Wrote \S*eval_results\.json \(process (\d+) of (\d+)\)", log)
     assert writes == [("0", "2")], log[-5000:]
+    # the conversion report and the tokenization progress bars come from the main process only
+    assert log.count("Converted BertForSequenceClassification (bert) -> NPRFBertForSequenceClassification") <= 1, log
+    segments = [segment.strip() for segment in re.split(r"[\r\n]", log)]
+    tokenized = [s for s in segments if s.startswith("Tokenizing: 100%")]
+    assert len(tokenized) <= 2, tokenized  # train + validation, not once per process
+    assert len([s for s in segments if s.startswith("Loading weights: 100%")]) <= 1, log[-5000:]
 
     results = read_json(out / "eval_results.json")
     assert results["eval_samples"] == 21
