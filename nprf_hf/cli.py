@@ -82,10 +82,21 @@ def add_convert_parser(subparsers):
         metavar="true|false",
         help="a learned per-head weight for the same token in the other segment (needs --segment-bias true)",
     )
-    parser.add_argument("--rpe-init", choices=RPE_INITS, default="zeros")
-    parser.add_argument("--calibration-text", help="plain text file for --rpe-init calibrated")
-    parser.add_argument("--calibration-blocks", type=int, default=32, help="number of calibration blocks")
-    parser.add_argument("--calibration-block-size", type=int, default=128, help="tokens per calibration block")
+    parser.add_argument(
+        "--rpe-init",
+        choices=RPE_INITS,
+        default="zeros",
+        help="start of the RPE table: zeros (the paper), or calibrated from the source's own attention per "
+        "distance (needs --calibration-text) (default: %(default)s)",
+    )
+    parser.add_argument("--calibration-text", metavar="PATH", help="plain text file for --rpe-init calibrated")
+    parser.add_argument(
+        "--calibration-blocks", type=int, default=32, metavar="N", help="number of calibration blocks (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--calibration-block-size", type=int, default=128, metavar="N",
+        help="tokens per calibration block (default: %(default)s)",
+    )
     transfer = parser.add_argument_group(
         "attention transfer",
         "after converting, train the NPRF attention (query/key projections, RPE table, logit scales) so that "
@@ -106,8 +117,10 @@ def add_convert_parser(subparsers):
             help=f"{text} (default: %(default)s)",
         )
     parser.add_argument("--head", choices=list(HEADS), help="target head (default: from config.architectures)")
-    parser.add_argument("--revision", help="Hub revision of SRC")
-    parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--revision", help="Hub revision of SRC: branch, tag or commit (default: the main branch)")
+    parser.add_argument(
+        "--trust-remote-code", action="store_true", help="allow modeling code shipped with SRC (a custom checkpoint)"
+    )
     parser.set_defaults(func=run_convert)
     return parser
 
