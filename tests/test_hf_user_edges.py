@@ -161,7 +161,8 @@ def test_source_with_the_head_reports_no_untrained_head(tmp_path, caplog):
     BertForMaskedLM(config).save_pretrained(src)
     with caplog.at_level(logging.WARNING, logger="nprf_hf.convert"):
         report = convert_checkpoint(src, str(tmp_path / "out"), num_random_features=8)
-    assert report.untrained_head == [] and not caplog.records
+    assert report.untrained_head == []
+    assert not [r for r in caplog.records if r.name == "nprf_hf.convert" and r.levelno >= logging.WARNING]
     assert "cls.predictions.decoder.weight" not in report.new
     assert "Untrained head" not in str(build_model_card(str(tmp_path / "out")))
 
@@ -340,3 +341,27 @@ def test_cli_convert_options_have_help_and_defaults(monkeypatch):
     convert = next(a for a in parser._actions if hasattr(a, "choices") and a.choices and "convert" in a.choices)
     # the NPRF config-field options take their help from the config declarations (not checked here)
     assert _undocumented(convert.choices["convert"], skip=set(cli.CONFIG_OPTIONS)) == []
+
+
+def test_sentence_transformers_files_from_a_hub_id(tmp_path, monkeypatch):
+    """A Hub id source: modules.json is fetched first, then only the files and module folders it names."""
+    import huggingface_hub
+
+    from nprf_hf.checkpoint_files import carry_sentence_transformers_files
+
+    asked = {}
+
+    def fake_download(repo_id, filename, revision=None, **kwargs):
+        asked["file"] = (repo_id, filename, revision)
+        return os.path.join(_minilm_path(), filename)
+
+    def fake_snapshot(repo_id, revision=None, allow_patterns=None, **kwargs):
+        asked["patterns"] = sorted(allow_patterns)
+        return _minilm_path()
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot)
+    copied = carry_sentence_transformers_files("org/some-model", str(tmp_path), max_seq_length=300, revision="v1")
+    assert asked["file"] == ("org/some-model", "modules.json", "v1")
+    assert "1_Pooling/*" in asked["patterns"] and "2_Normalize/*" in asked["patterns"] and "model.safetensors" not in asked["patterns"]
+    assert "1_Pooling/" in copied and json.load(open(tmp_path / "sentence_bert_config.json"))["max_seq_length"] == 300
