@@ -490,11 +490,12 @@ def _mark_tied_and_untrained_head(report, target, to_load, reference_class_name)
     import transformers
 
     tensors = dict(target.state_dict(keep_vars=True))
-    owners = {}  # storage pointer -> first name, copied tensors first
+    owners = {}  # storage pointer -> first name, copied tensors first (empty tensors share pointer 0: skipped)
     for name in list(to_load) + list(report.new):
-        owners.setdefault(tensors[name].data_ptr(), name)
+        if tensors[name].numel():
+            owners.setdefault(tensors[name].data_ptr(), name)
     for name in list(report.new):
-        owner = owners[tensors[name].data_ptr()]
+        owner = owners.get(tensors[name].data_ptr(), name) if tensors[name].numel() else name
         if owner != name:
             report.tied[name] = owner
             del report.new[name]
