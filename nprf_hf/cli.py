@@ -46,7 +46,8 @@ def add_convert_parser(subparsers):
         description=(
             "Convert a BERT or RoBERTa checkpoint (local dir or Hub id, any head) to the matching NPRF model. "
             "Every source tensor is copied bit-identically; the new tensors (RPE table, random projections) "
-            "are listed. The output is saved with safetensors and remote code, plus the tokenizer."
+            "are listed. The output is saved with safetensors and remote code, plus the tokenizer, a sentence-transformers "
+            "model's files (pooling, max_seq_length) and conversion_report.json."
         ),
     )
     parser.add_argument("src", help="local directory or Hub id of a BERT or RoBERTa checkpoint")
