@@ -365,3 +365,19 @@ def test_sentence_transformers_files_from_a_hub_id(tmp_path, monkeypatch):
     assert asked["file"] == ("org/some-model", "modules.json", "v1")
     assert "1_Pooling/*" in asked["patterns"] and "2_Normalize/*" in asked["patterns"] and "model.safetensors" not in asked["patterns"]
     assert "1_Pooling/" in copied and json.load(open(tmp_path / "sentence_bert_config.json"))["max_seq_length"] == 300
+
+
+@needs_sentence_transformers
+@pytest.mark.skipif(not os.environ.get("NPRF_RUN_SLOW"), reason="an 8,192-token document: ~15-30 s on 2 CPU cores; set NPRF_RUN_SLOW=1")
+def test_sentence_transformer_encodes_an_8k_token_document(tmp_path):
+    from sentence_transformers import SentenceTransformer
+
+    out = str(tmp_path / "minilm-8k")
+    convert_checkpoint(_minilm_path(), out, max_position_embeddings=8192)
+    model = SentenceTransformer(out, trust_remote_code=True, device="cpu")
+    assert model.max_seq_length == 8192
+    document = " ".join(["long documents are what kernelized attention is for"] * 1200)
+    features = model.tokenize([document])
+    assert features["input_ids"].shape[1] == 8192  # truncated to the extended length, not to the source's 512
+    embedding = model.encode([document], convert_to_tensor=True)
+    assert embedding.shape == (1, 384) and torch.isfinite(embedding).all()
