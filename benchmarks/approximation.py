@@ -37,7 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nprf_hf.functional import draw_projection, nprf_attention_weights, positive_random_features  # noqa: E402
 
 
-DEFAULT_OUTPUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plots", "approximation")
+# a scratch folder (git-ignored): a trial run must not overwrite the README's committed plot; --output publishes
+DEFAULT_OUTPUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runs", "benchmarks", "approximation")
 DTYPE = torch.float64
 
 
@@ -171,7 +172,9 @@ def parse_args(argv=None):
     parser.add_argument("--sharpness-features", type=int, default=64, help="m in the sharpness part")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--output", default=DEFAULT_OUTPUT, help="path stem: writes STEM.json and STEM.png")
+    parser.add_argument("--output", default=DEFAULT_OUTPUT,
+                        help="path stem: writes STEM.json and STEM.png (default: a git-ignored scratch folder; pass "
+                        "benchmarks/plots/approximation to update the README's plot)")
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
     if min(args.num_features) < 1 or args.head_dim < 1 or args.num_tokens < 2 or args.draws < 1:

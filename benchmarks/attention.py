@@ -151,18 +151,27 @@ def fits(name, batch, heads, n, backward, budget_bytes):
     return copies * 4 * batch * heads * n * n <= budget_bytes
 
 
+# a scratch folder (git-ignored): a trial run must not overwrite committed results; --output publishes
+DEFAULT_OUTPUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runs", "benchmarks", "attention.json")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 1024, 2048, 4096, 8192, 16384])
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--features", type=int, default=64)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--memory-budget-gb", type=float, default=12.0, help="skip dense beyond this estimate")
-    parser.add_argument("--min-time", type=float, default=1.0, help="seconds of repeats per point")
-    parser.add_argument("--output", default="benchmarks/results/attention.json")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 1024, 2048, 4096, 8192, 16384],
+                        help="sequence lengths n (default: %(default)s)")
+    parser.add_argument("--batch", type=int, default=1, help="batch size B (default: %(default)s)")
+    parser.add_argument("--heads", type=int, default=12, help="attention heads H (default: %(default)s)")
+    parser.add_argument("--head-dim", type=int, default=64, help="head size d (default: %(default)s)")
+    parser.add_argument("--features", type=int, default=64, help="NPRF random features m (default: %(default)s)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:0, ...) (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default: %(default)s)")
+    parser.add_argument("--memory-budget-gb", type=float, default=12.0,
+                        help="skip dense beyond this memory estimate (default: %(default)s)")
+    parser.add_argument("--min-time", type=float, default=1.0,
+                        help="seconds of repeats per point (default: %(default)s)")
+    parser.add_argument("--output", default=DEFAULT_OUTPUT,
+                        help="JSON file (default: %(default)s, a git-ignored scratch folder; pass "
+                        "benchmarks/results/attention_cpu.json to update the README's numbers)")
     parser.add_argument("--memory-pass", action="store_true", help=argparse.SUPPRESS)  # the child process
     args = parser.parse_args(argv)
 

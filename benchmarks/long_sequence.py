@@ -66,7 +66,8 @@ from nprf_hf.functional import ALGORITHMS  # noqa: E402
 VARIANTS = ("nprf", "sdpa", "eager", "floor")
 MODES = ("forward", "train")
 FLOOR_ATTENTION = "nprf_benchmark_floor"
-DEFAULT_OUTPUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plots", "long_sequence")
+# a scratch folder (git-ignored): a trial run must not overwrite the README's committed plot; --output publishes
+DEFAULT_OUTPUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runs", "benchmarks", "long_sequence")
 
 
 def diagonal_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -411,7 +412,8 @@ def plot(results, meta, path):
         axis.set_xlabel("sequence length n")
         axis.set_ylabel(ylabel)
         axis.grid(True, which="both", alpha=0.3)
-        axis.legend(fontsize=8)
+        if axis.get_legend_handles_labels()[0]:  # a panel with no finished point has nothing to label
+            axis.legend(fontsize=8)
     machine = meta["machine"]
     where = machine.get("gpu") or f"{machine['cpu']}, {meta['args']['threads']} threads"
     figure.suptitle(f"RoBERTa-base-sized encoder, {meta['args']['num_layers']} layer(s), batch 1 ({where})", fontsize=10)
@@ -422,28 +424,41 @@ def plot(results, meta, path):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:0, ...)")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
-    parser.add_argument("--num-layers", type=int, default=12, help="encoder layers (times and ratios hold per layer)")
-    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:0, ...) (default: %(default)s)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384],
+                        help="sequence lengths n, one sequence of n tokens per step (default: %(default)s)")
+    parser.add_argument("--num-layers", type=int, default=12,
+                        help="encoder layers (times and ratios hold per layer) (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default: %(default)s)")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS,
-                        help="floor = the same RoBERTa with attention replaced by the identity")
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    parser.add_argument("--repeats", type=int, default=2, help="timed steps after the warm-up; the fastest is reported (0: the warm-up is)")
+                        help="models to time; floor = the same RoBERTa with attention replaced by the identity "
+                        "(default: all)")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
+                        help="forward: inference forward pass; train: forward + backward (default: both)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="timed steps after the warm-up; the fastest is reported (0: the warm-up is) "
+                        "(default: %(default)s)")
     parser.add_argument("--single-run-above", type=float, default=20.0,
-                        help="seconds: after a warm-up step longer than this, time one step only (not --repeats)")
-    parser.add_argument("--time-cap", type=float, default=900.0, help="seconds per point (warm-up + repeats)")
+                        help="seconds: after a warm-up step longer than this, time one step only (not --repeats) "
+                        "(default: %(default)s)")
+    parser.add_argument("--time-cap", type=float, default=900.0,
+                        help="seconds per point (warm-up + repeats) (default: %(default)s)")
     parser.add_argument("--mem-budget-gb", type=float, default=None,
                         help="eager points predicted to need more are skipped (default: 80%% of available RAM)")
     parser.add_argument("--isolation", default="process", choices=("process", "none"),
-                        help="process: each point in a forked process (clean memory, survives OOM); none: in-process")
-    parser.add_argument("--hidden-size", type=int, default=768)
-    parser.add_argument("--num-heads", type=int, default=12)
-    parser.add_argument("--vocab-size", type=int, default=50265)
-    parser.add_argument("--num-features", type=int, default=None, help="NPRF random features m (default: config's)")
-    parser.add_argument("--algorithm", default=None, choices=ALGORITHMS, help="NPRF attention_algorithm (default: config's)")
-    parser.add_argument("--output", default=DEFAULT_OUTPUT, help="path stem: writes STEM.json and STEM.png")
-    parser.add_argument("--no-plot", action="store_true")
+                        help="process: each point in a forked process (clean memory, survives OOM); none: in-process "
+                        "(default: %(default)s)")
+    parser.add_argument("--hidden-size", type=int, default=768, help="model width (default: %(default)s, RoBERTa-base)")
+    parser.add_argument("--num-heads", type=int, default=12, help="attention heads (default: %(default)s)")
+    parser.add_argument("--vocab-size", type=int, default=50265, help="embedding rows (default: %(default)s)")
+    parser.add_argument("--num-features", type=int, default=None,
+                        help="NPRF random features m (default: the config's, 64)")
+    parser.add_argument("--algorithm", default=None, choices=ALGORITHMS,
+                        help="NPRF attention_algorithm (default: the config's, auto)")
+    parser.add_argument("--output", default=DEFAULT_OUTPUT,
+                        help="path stem: writes STEM.json and STEM.png (default: %(default)s, a git-ignored scratch "
+                        "folder; pass benchmarks/plots/long_sequence to update the README's plot)")
+    parser.add_argument("--no-plot", action="store_true", help="write the JSON only")
     args = parser.parse_args(argv)
     if any(n < 1 for n in args.lengths):
         parser.error("--lengths must be positive")

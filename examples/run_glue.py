@@ -81,9 +81,9 @@ class DataTrainingArguments:
         if self.task_name is not None:
             self.task_name = glue.normalize_task_name(self.task_name)
         elif self.glue_dir is not None:
-            raise ValueError("--glue_dir needs --task_name (one of: " + ", ".join(glue.GLUE_TASKS) + ")")
+            raise glue.UsageError("--glue_dir needs --task_name (one of: " + ", ".join(glue.GLUE_TASKS) + ")")
         elif self.train_file is None and self.validation_file is None:
-            raise ValueError("give --task_name, or --train_file / --validation_file")
+            raise glue.UsageError("give --task_name, or --train_file / --validation_file")
 
 
 @dataclass
@@ -168,6 +168,7 @@ def load_model_and_tokenizer(model_args, num_labels, task_name):
         finetuning_task=task_name,
         **hub_kwargs,
     )
+    glue.record_task(config, task_name)
     tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_args.model_name_or_path, **hub_kwargs)
     model = AutoModelForSequenceClassification.from_pretrained(
         model_args.model_name_or_path,
@@ -181,6 +182,7 @@ def load_model_and_tokenizer(model_args, num_labels, task_name):
 
 def main(argv=None):
     model_args, data_args, training_args = parse_args(argv)
+    glue.check_model_path(model_args.model_name_or_path, model_args.config_name, model_args.tokenizer_name)
 
     logging.basicConfig(
         format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
@@ -199,6 +201,9 @@ def main(argv=None):
         training_args.world_size,
         training_args.device,
     )
+    glue.quiet_unless_main(training_args.process_index == 0)
+    if training_args.device.type == "cpu":
+        training_args.dataloader_pin_memory = False  # pinning needs an accelerator; on CPU torch only warns
     logger.info("Training/evaluation parameters %s", training_args)
 
     set_seed(training_args.seed)
@@ -222,11 +227,11 @@ def main(argv=None):
         model.config.id2label = {i: name for name, i in label2id.items()}
 
     if training_args.do_train and "train" not in raw_datasets:
-        raise ValueError(f"--do_train needs a train split; have {list(raw_datasets)}")
+        raise glue.UsageError(f"--do_train needs a train split; have {list(raw_datasets)}")
     if training_args.do_eval and not info.eval_splits:
-        raise ValueError(f"--do_eval needs a validation split; have {list(raw_datasets)}")
+        raise glue.UsageError(f"--do_eval needs a validation split; have {list(raw_datasets)}")
     if training_args.do_predict and not info.test_splits:
-        raise ValueError(f"--do_predict needs a test split; have {list(raw_datasets)}")
+        raise glue.UsageError(f"--do_predict needs a test split; have {list(raw_datasets)}")
     needed = (
         (["train"] if training_args.do_train else [])
         + (info.eval_splits if training_args.do_eval else [])
@@ -351,10 +356,13 @@ def main(argv=None):
             )
     elif training_args.push_to_hub:
         trainer.push_to_hub(**kwargs)
-    elif training_args.do_train:
+    elif training_args.do_train and not glue.write_nprf_card(
+        training_args.output_dir, model, info.task_name, model_args.model_name_or_path,
+        main_process=trainer.is_world_process_zero(),
+    ):
         trainer.create_model_card(**kwargs)
     return combined if training_args.do_eval else None
 
 
 if __name__ == "__main__":
-    main()
+    glue.run_script(main, "run_glue.py")

@@ -139,11 +139,11 @@ def find_checkpoint(args):
             if (m := CHECKPOINT_PATTERN.match(d)) and os.path.isdir(os.path.join(args.output_dir, d))
         ]
         if not found:
-            raise ValueError(f"--resume_from_checkpoint latest: no epoch_N / step_N folder in {args.output_dir}")
+            raise glue.UsageError(f"--resume_from_checkpoint latest: no epoch_N / step_N folder in {args.output_dir}")
         path = os.path.join(args.output_dir, max(found, key=lambda item: item[1])[2])
     match = CHECKPOINT_PATTERN.match(os.path.basename(os.path.normpath(path)))
     if not os.path.isdir(path) or match is None:
-        raise ValueError(f"--resume_from_checkpoint must be an epoch_N or step_N folder written by this script: {path!r}")
+        raise glue.UsageError(f"--resume_from_checkpoint must be an epoch_N or step_N folder written by this script: {path!r}")
     return path, match.group(1), int(match.group(2))
 
 
@@ -166,6 +166,7 @@ def evaluate(model, dataloader, accelerator, info):
 
 def main(argv=None):
     args = parse_args(argv)
+    glue.check_model_path(args.model_name_or_path, args.tokenizer_name)
 
     accelerator_kwargs = {"gradient_accumulation_steps": args.gradient_accumulation_steps, "cpu": args.cpu}
     if args.mixed_precision is not None:
@@ -190,6 +191,7 @@ def main(argv=None):
     else:
         datasets.utils.logging.set_verbosity_error()
         transformers.utils.logging.set_verbosity_error()
+    glue.quiet_unless_main(accelerator.is_main_process)
 
     set_seed(args.seed)
 
@@ -214,7 +216,7 @@ def main(argv=None):
     )
     info = glue.glue_task_info(raw_datasets, args.task_name)
     if "train" not in raw_datasets or not info.eval_splits:
-        raise ValueError(f"need a train and a validation split; have {list(raw_datasets)}")
+        raise glue.UsageError(f"need a train and a validation split; have {list(raw_datasets)}")
 
     config = AutoConfig.from_pretrained(
         args.model_name_or_path,
@@ -222,6 +224,7 @@ def main(argv=None):
         finetuning_task=info.task_name,
         trust_remote_code=args.trust_remote_code,
     )
+    glue.record_task(config, info.task_name)
     tokenizer = AutoTokenizer.from_pretrained(
         args.tokenizer_name or args.model_name_or_path, trust_remote_code=args.trust_remote_code
     )
@@ -417,7 +420,9 @@ def main(argv=None):
                     args.output_dir, repo_id, card_kwargs={"task_name": info.task_name},
                     token=args.hub_token, commit_message="End of training",
                 )
-            elif args.push_to_hub:
+            else:
+                glue.write_nprf_card(args.output_dir, unwrapped_model, info.task_name, args.model_name_or_path)
+            if args.push_to_hub and not unwrapped_model.config.model_type.startswith("nprf_"):
                 api.upload_folder(
                     repo_id=repo_id,
                     folder_path=args.output_dir,
@@ -430,4 +435,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    glue.run_script(main, "run_glue_no_trainer.py")

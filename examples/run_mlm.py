@@ -195,6 +195,8 @@ def main(argv=None):
 
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     transformers.utils.logging.set_verbosity_warning()
+    if training_args.device.type == "cpu":
+        training_args.dataloader_pin_memory = False  # pinning needs an accelerator; on CPU torch only warns
     if training_args.do_train and data_args.train_file is None:
         raise ValueError("--do_train needs --train_file")
     if training_args.do_eval and data_args.validation_file is None:

@@ -7,7 +7,7 @@ import transformers
 from . import functional
 from .cache_nprf import NPRFCache
 from .configuration_nprf import NPRF_CONFIG_CLASSES
-from .convert import convert_to_nprf
+from .convert import convert_checkpoint, convert_to_nprf
 from .families import FAMILIES, HEADS
 from .modeling_nprf import NPRF_MODEL_CLASSES
 from .transfer import TransferReport, attention_transfer, read_transfer_texts
@@ -27,4 +27,4 @@ for _model_type, _config_class in NPRF_CONFIG_CLASSES.items():
             getattr(transformers, HEADS[_head].auto_class).register(_config_class, _model_class, exist_ok=True)
 globals().update(_EXPORTS)
 
-__all__ = ["functional", "NPRFCache", "convert_to_nprf", "attention_transfer", "read_transfer_texts", "TransferReport", *_EXPORTS]
+__all__ = ["functional", "NPRFCache", "convert_to_nprf", "convert_checkpoint", "attention_transfer", "read_transfer_texts", "TransferReport", *_EXPORTS]

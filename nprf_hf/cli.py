@@ -48,7 +48,8 @@ def add_convert_parser(subparsers):
             "Convert a " + ", ".join(f.display_name for f in FAMILIES.values()) + " checkpoint (local dir or Hub id, "
             "any head) to the matching NPRF model. "
             "Every source tensor is copied bit-identically; the new tensors (RPE table, random projections) "
-            "are listed. The output is saved with safetensors and remote code, plus the tokenizer."
+            "are listed. The output is saved with safetensors and remote code, plus the tokenizer, a sentence-transformers "
+            "model's files (pooling, max_seq_length) and conversion_report.json."
         ),
     )
     parser.add_argument("src", help="local directory or Hub id of a softmax checkpoint of a supported family")
@@ -71,10 +72,21 @@ def add_convert_parser(subparsers):
         help="extend the absolute position table to N rows by tiling the learned rows (RoBERTa: N-2 usable); "
         "default: the source's",
     )
-    parser.add_argument("--rpe-init", choices=RPE_INITS, default="zeros")
-    parser.add_argument("--calibration-text", help="plain text file for --rpe-init calibrated")
-    parser.add_argument("--calibration-blocks", type=int, default=32, help="number of calibration blocks")
-    parser.add_argument("--calibration-block-size", type=int, default=128, help="tokens per calibration block")
+    parser.add_argument(
+        "--rpe-init",
+        choices=RPE_INITS,
+        default="zeros",
+        help="start of the RPE table: zeros (the paper), or calibrated from the source's own attention per "
+        "distance (needs --calibration-text) (default: %(default)s)",
+    )
+    parser.add_argument("--calibration-text", metavar="PATH", help="plain text file for --rpe-init calibrated")
+    parser.add_argument(
+        "--calibration-blocks", type=int, default=32, metavar="N", help="number of calibration blocks (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--calibration-block-size", type=int, default=128, metavar="N",
+        help="tokens per calibration block (default: %(default)s)",
+    )
     transfer = parser.add_argument_group(
         "attention transfer",
         "after converting, train the NPRF attention (query/key projections, RPE table, logit scales) so that "
@@ -95,8 +107,10 @@ def add_convert_parser(subparsers):
             help=f"{text} (default: %(default)s)",
         )
     parser.add_argument("--head", choices=list(HEADS), help="target head (default: from config.architectures)")
-    parser.add_argument("--revision", help="Hub revision of SRC")
-    parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--revision", help="Hub revision of SRC: branch, tag or commit (default: the main branch)")
+    parser.add_argument(
+        "--trust-remote-code", action="store_true", help="allow modeling code shipped with SRC (a custom checkpoint)"
+    )
     parser.set_defaults(func=run_convert)
     return parser
 

@@ -21,6 +21,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import nn
 
+from .checkpoint_files import check_local_path, carry_sentence_transformers_files, write_conversion_report
 from .families import ATTENTION_LAYOUTS, FAMILIES, HEADS, family_of, position_offset
 from .functional import t5_relative_position_bucket
 
@@ -43,6 +44,10 @@ class ConversionReport:
     dropped: list = field(default_factory=list)  # source tensors the NPRF model has no place for
     rpe_init: str = "zeros"
     transfer: Optional[object] = None  # the TransferReport when attention transfer ran
+    # head tensors the source lacked: randomly initialised, the head gives noise until trained
+    untrained_head: list = field(default_factory=list)
+    tied: dict = field(default_factory=dict)  # name -> the tensor it shares storage with (not new, not saved twice)
+    sentence_transformers_files: list = field(default_factory=list)  # carried by convert_checkpoint
 
     def format(self):
         lines = [
@@ -53,9 +58,14 @@ class ConversionReport:
             lines.append(f"  extended: {name}  {old} -> {new} rows (first {old} rows bit-identical, rest tiled)")
         lines.append(f"  new tensors ({len(self.new)}), RPE init '{self.rpe_init}':")
         lines.extend(f"    + {name}  {list(shape)}" for name, shape in self.new.items())
+        lines.extend(f"  tied: {name} = {other}" for name, other in self.tied.items())
         if self.dropped:
             lines.append(f"  dropped source tensors ({len(self.dropped)}):")
             lines.extend(f"    - {name}" for name in self.dropped)
+        if self.sentence_transformers_files:
+            lines.append(f"  sentence-transformers files carried over: {', '.join(self.sentence_transformers_files)}")
+        if self.untrained_head:
+            lines.append("WARNING: " + untrained_head_message(self))
         if self.transfer is not None:
             lines.append(self.transfer.format())
         return "\n".join(lines)
@@ -192,6 +202,7 @@ def _load_source(model_or_path, tokenizer=None, **from_pretrained_kwargs):
     if not isinstance(model_or_path, (str, os.PathLike)):
         raise ValueError(f"model_or_path must be a model, a local directory or a Hub id, got {type(model_or_path)}")
     path = str(model_or_path)
+    check_local_path(path, "BERT/RoBERTa checkpoint directory")
     config = transformers.AutoConfig.from_pretrained(path, **from_pretrained_kwargs)
     family = _source_family(config.model_type)
     architecture = (config.architectures or [family.class_name("model", nprf=False)])[0]
@@ -389,6 +400,7 @@ def _convert(
             raise RuntimeError(f"tensor {name} was not copied exactly")
     report.copied = sorted(name for name in to_load if name not in report.extended)
     report.new = {name: tuple(t.shape) for name, t in final_state.items() if name not in to_load}
+    _mark_tied_and_untrained_head(report, target, to_load, family.class_name(head, nprf=False))
 
     num_buckets = config.rpe_num_buckets
     tables = _rpe_tables(target)
@@ -420,6 +432,40 @@ def _convert(
     if tokenizer is not None and "max_position_embeddings" in config_overrides:
         tokenizer.model_max_length = config.max_position_embeddings - position_offset(config)
     return target, tokenizer, report
+
+
+def untrained_head_message(report):
+    """The warning for a head that the source did not have (e.g. `--head masked-lm` on a bare encoder)."""
+    return (
+        f"{report.source_architecture} has no weights for the {report.target_class} head: "
+        f"{len(report.untrained_head)} tensor(s) ({', '.join(report.untrained_head)}) are randomly initialised "
+        "and saved with the checkpoint, so later loads report nothing missing. Train the head before using its "
+        "outputs (e.g. fill-mask gives noise), or convert a checkpoint that has this head."
+    )
+
+
+def _mark_tied_and_untrained_head(report, target, to_load, reference_class_name):
+    """Split `report.new` into what is really new: tensors sharing storage with another one are tied (e.g.
+    `cls.predictions.decoder.weight` is the word embedding table), and tensors of the plain HF class
+    `reference_class_name` (e.g. BertForMaskedLM) are head weights the source lacked (randomly initialised)."""
+    import transformers
+
+    tensors = dict(target.state_dict(keep_vars=True))
+    owners = {}  # storage pointer -> first name, copied tensors first (empty tensors share pointer 0: skipped)
+    for name in list(to_load) + list(report.new):
+        if tensors[name].numel():
+            owners.setdefault(tensors[name].data_ptr(), name)
+    for name in list(report.new):
+        owner = owners.get(tensors[name].data_ptr(), name) if tensors[name].numel() else name
+        if owner != name:
+            report.tied[name] = owner
+            del report.new[name]
+    with torch.device("meta"):
+        reference = getattr(transformers, reference_class_name)(target.config)
+    standard = set(reference.state_dict())
+    report.untrained_head = [name for name in report.new if name in standard]
+    if report.untrained_head:
+        logger.warning(untrained_head_message(report))
 
 
 def _align_prefix(source_state, source, target):
@@ -470,7 +516,8 @@ def convert_to_nprf(
     transfer_texts: texts (strings or sentence pairs, e.g. from `read_transfer_texts`) for attention
     transfer right after the conversion (`nprf_hf.attention_transfer`, options in `transfer_options`);
     None = no transfer.
-    Returns the NPRF model in eval mode (and a `ConversionReport` if `return_report`).
+    Returns the NPRF model in eval mode (and a `ConversionReport` if `return_report`). To save it with its
+    tokenizer (for `pipeline`, `AutoTokenizer`, sentence-transformers), use `convert_checkpoint(src, out_dir)`.
     """
     model, _, report = _convert(
         model_or_path, tokenizer=tokenizer, head=head, rpe_init=rpe_init, calibration_text=calibration_text,
@@ -483,10 +530,25 @@ def convert_to_nprf(
 
 
 def convert_checkpoint(src, out_dir, *, tokenizer=None, **kwargs) -> ConversionReport:
-    """Convert `src` (model, local dir or Hub id) and save the NPRF model (safetensors + remote code)
-    and the tokenizer, if there is one, to `out_dir`. kwargs as in `convert_to_nprf`."""
+    """Convert `src` (model, local dir or Hub id) and save everything a HF user loads to `out_dir`: the NPRF
+    model (safetensors + remote code), the tokenizer (loaded from `src`, or `tokenizer=`), a sentence-transformers
+    model's files (`modules.json`, `1_Pooling/`, ...; `max_seq_length` follows `max_position_embeddings`) and
+    `conversion_report.json`. The one call to use when the output goes to `pipeline(...)`, `AutoTokenizer` or
+    `SentenceTransformer` (`convert_to_nprf(...).save_pretrained(dir)` saves the model alone).
+    kwargs as in `convert_to_nprf`. Returns the `ConversionReport`."""
     model, tokenizer, report = _convert(src, tokenizer=tokenizer, **kwargs)
     model.save_pretrained(out_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
+    _save_extra_files(src, out_dir, model.config, report, kwargs)
     return report
+
+
+def _save_extra_files(src, out_dir, config, report, kwargs):
+    """sentence-transformers files (their max_seq_length follows a longer position table) and the report."""
+    max_seq_length = None
+    if "max_position_embeddings" in kwargs and config.position_embedding_type != "none":
+        max_seq_length = config.max_position_embeddings - position_offset(config)
+    revision = (kwargs.get("from_pretrained_kwargs") or {}).get("revision")
+    report.sentence_transformers_files = carry_sentence_transformers_files(src, out_dir, max_seq_length, revision)
+    write_conversion_report(report, out_dir)

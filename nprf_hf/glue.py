@@ -15,6 +15,7 @@ need them so that `import nprf_hf` stays light.
 import logging
 import math
 import os
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
@@ -23,6 +24,34 @@ import numpy as np
 
 
 logger = logging.getLogger(__name__)
+
+
+class UsageError(ValueError):
+    """A mistake in a script's arguments or input files (unknown task, missing folder, bad flag combination):
+    `run_script` reports it in one line and exits 2, like argparse, instead of a traceback."""
+
+
+def run_script(main, prog, argv=None):
+    """Run a GLUE script's `main(argv)`; a `UsageError` prints `prog: error: ...` to stderr and exits 2."""
+    try:
+        return main(argv)
+    except UsageError as error:
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def check_model_path(*values):
+    """UsageError for a model / config / tokenizer argument that looks like a local path and does not exist
+    (otherwise HF says "Repo id must use alphanumeric chars", or retries an unreachable Hub)."""
+    from .checkpoint_files import check_local_path
+
+    for value in values:
+        if value is not None:
+            try:
+                check_local_path(value)
+            except FileNotFoundError as error:
+                raise UsageError(str(error)) from None
+
 
 GLUE_TASKS = ("cola", "mnli", "mrpc", "qnli", "qqp", "rte", "sst2", "stsb", "wnli")
 
@@ -96,7 +125,7 @@ def normalize_task_name(task_name: str) -> str:
     """'SST-2' / 'sst-2' / 'sst2' -> 'sst2'; raises ValueError for anything that is not a GLUE task."""
     name = task_name.lower().replace("-", "").replace("_", "")
     if name not in GLUE_TASKS:
-        raise ValueError(f"task_name={task_name!r} is not a GLUE task; allowed values: {', '.join(GLUE_TASKS)}")
+        raise UsageError(f"task_name={task_name!r} is not a GLUE task; allowed values: {', '.join(GLUE_TASKS)}")
     return name
 
 
@@ -131,13 +160,13 @@ def _parse_label(raw: str, task_name: str, path: str, line_no: int):
         except ValueError:
             value = float("nan")
         if not math.isfinite(value):
-            raise ValueError(f"{path}, line {line_no}: score {raw!r} is not a finite number")
+            raise UsageError(f"{path}, line {line_no}: score {raw!r} is not a finite number")
         return value
     if raw in names:
         return names.index(raw)
     if raw.strip().isdigit() and int(raw) < len(names):
         return int(raw)
-    raise ValueError(
+    raise UsageError(
         f"{path}, line {line_no}: label {raw!r} is not one of {list(names)} or 0..{len(names) - 1} for task {task_name}"
     )
 
@@ -159,7 +188,7 @@ def read_glue_tsv(path: str, task_name: str) -> Dict[str, list]:
         lines.pop()
     lines = [line[:-1] if line.endswith("\r") else line for line in lines]
     if not lines:
-        raise ValueError(f"{path} is empty")
+        raise UsageError(f"{path} is empty")
 
     text_keys = [k for k in TASK_TO_KEYS[task_name] if k is not None]
     header_columns = _TSV_HEADER_COLUMNS[task_name]
@@ -174,14 +203,14 @@ def read_glue_tsv(path: str, task_name: str) -> Dict[str, list]:
         first_data_line = 0
     else:
         expected = [header_columns[k] for k in text_keys]
-        raise ValueError(f"{path}: first line has no header with the columns {expected} of task {task_name}: {first}")
+        raise UsageError(f"{path}: first line has no header with the columns {expected} of task {task_name}: {first}")
 
     columns = {k: [] for k in text_keys}
     columns["label"] = []
     for line_no, line in enumerate(lines[first_data_line:], start=first_data_line + 1):
         fields = line.split("\t")
         if len(fields) != num_fields:
-            raise ValueError(f"{path}, line {line_no}: expected {num_fields} tab-separated fields, found {len(fields)}")
+            raise UsageError(f"{path}, line {line_no}: expected {num_fields} tab-separated fields, found {len(fields)}")
         for k in text_keys:
             columns[k].append(fields[positions[k]])
         if "label" in positions:
@@ -206,6 +235,8 @@ def glue_dir_files(glue_dir: str, task_name: str) -> Dict[str, str]:
     """Split name -> path of the files present for a task. `glue_dir` is the `glue_data` root
     (holding e.g. `SST-2/`) or the task's own directory (holding `train.tsv`, `dev.tsv`)."""
     task_name = normalize_task_name(task_name)
+    if not os.path.isdir(glue_dir):
+        raise UsageError(f"no such directory: glue_dir={glue_dir!r} (the glue_data root or the task's folder)")
     task_dir = os.path.join(glue_dir, GLUE_DIR_NAMES[task_name])
     if not os.path.isdir(task_dir):
         task_dir = glue_dir
@@ -213,7 +244,7 @@ def glue_dir_files(glue_dir: str, task_name: str) -> Dict[str, str]:
     files = {split: os.path.join(task_dir, name) for split, name in layout.items()}
     files = {split: path for split, path in files.items() if os.path.isfile(path)}
     if not files:
-        raise ValueError(
+        raise UsageError(
             f"glue_dir={glue_dir!r} has none of the files of task {task_name}: expected "
             f"{os.path.join(GLUE_DIR_NAMES[task_name], '{' + ','.join(layout.values()) + '}')}"
         )
@@ -250,10 +281,10 @@ def load_local_files(train_file=None, validation_file=None, test_file=None, cach
         if path is not None
     }
     if not data_files:
-        raise ValueError("give at least one of train_file / validation_file / test_file")
+        raise UsageError("give at least one of train_file / validation_file / test_file")
     extensions = {path.rsplit(".", 1)[-1].lower() for path in data_files.values()}
     if len(extensions) != 1:
-        raise ValueError(f"train_file / validation_file / test_file must share one extension, got {sorted(extensions)}")
+        raise UsageError(f"train_file / validation_file / test_file must share one extension, got {sorted(extensions)}")
     extension = extensions.pop()
     if extension == "csv":
         return load_dataset("csv", data_files=data_files, cache_dir=cache_dir)
@@ -261,7 +292,7 @@ def load_local_files(train_file=None, validation_file=None, test_file=None, cach
         return load_dataset("csv", data_files=data_files, delimiter="\t", quoting=3, cache_dir=cache_dir)
     if extension in ("json", "jsonl"):
         return load_dataset("json", data_files=data_files, cache_dir=cache_dir)
-    raise ValueError(f"data file extension {extension!r} is not supported; allowed values: csv, tsv, json, jsonl")
+    raise UsageError(f"data file extension {extension!r} is not supported; allowed values: csv, tsv, json, jsonl")
 
 
 def load_glue_raw(
@@ -277,15 +308,15 @@ def load_glue_raw(
     from the Hub dataset `nyu-mll/glue` (needs task_name and network)."""
     local_files = any(f is not None for f in (train_file, validation_file, test_file))
     if glue_dir is not None and local_files:
-        raise ValueError("give either glue_dir or train_file/validation_file/test_file, not both")
+        raise UsageError("give either glue_dir or train_file/validation_file/test_file, not both")
     if glue_dir is not None:
         if task_name is None:
-            raise ValueError("glue_dir needs task_name (one of: " + ", ".join(GLUE_TASKS) + ")")
+            raise UsageError("glue_dir needs task_name (one of: " + ", ".join(GLUE_TASKS) + ")")
         return load_glue_dir(glue_dir, task_name)
     if local_files:
         return load_local_files(train_file, validation_file, test_file, cache_dir=cache_dir)
     if task_name is None:
-        raise ValueError("give task_name (a GLUE task: " + ", ".join(GLUE_TASKS) + "), glue_dir, or train_file/validation_file")
+        raise UsageError("give task_name (a GLUE task: " + ", ".join(GLUE_TASKS) + "), glue_dir, or train_file/validation_file")
     from datasets import load_dataset
 
     return load_dataset("nyu-mll/glue", normalize_task_name(task_name), cache_dir=cache_dir, token=token)
@@ -311,7 +342,7 @@ class GlueTaskInfo:
 def glue_task_info(raw_datasets, task_name: Optional[str] = None) -> GlueTaskInfo:
     """Text columns, labels and splits of a raw DatasetDict (from `load_glue_raw`)."""
     if not raw_datasets:
-        raise ValueError("raw_datasets has no splits")
+        raise UsageError("raw_datasets has no splits")
     reference = raw_datasets["train"] if "train" in raw_datasets else next(iter(raw_datasets.values()))
     columns = reference.column_names
     if task_name is not None:
@@ -319,11 +350,11 @@ def glue_task_info(raw_datasets, task_name: Optional[str] = None) -> GlueTaskInf
         key1, key2 = TASK_TO_KEYS[task_name]
         missing = [k for k in (key1, key2, "label") if k is not None and k not in columns]
         if missing:
-            raise ValueError(f"data for task {task_name} lacks the columns {missing} (has {columns})")
+            raise UsageError(f"data for task {task_name} lacks the columns {missing} (has {columns})")
         names = TASK_LABEL_NAMES[task_name]
         label_dtype = getattr(reference.features["label"], "dtype", None)
         if names is not None and label_dtype not in ("int8", "int16", "int32", "int64"):
-            raise ValueError(
+            raise UsageError(
                 f"with task_name={task_name!r} the label column must hold class ids 0..{len(names) - 1} "
                 f"(for {list(names)}), found dtype {label_dtype}"
             )
@@ -338,13 +369,13 @@ def glue_task_info(raw_datasets, task_name: Optional[str] = None) -> GlueTaskInf
         )
 
     if "label" not in columns:
-        raise ValueError(f"data files need a 'label' column (have {columns})")
+        raise UsageError(f"data files need a 'label' column (have {columns})")
     is_regression = reference.features["label"].dtype in ("float16", "float32", "float64")
     label_list = None
     if not is_regression:
         label_list = sorted({label for split in raw_datasets if split != "test" for label in raw_datasets[split]["label"]})
         if len(label_list) < 2:
-            raise ValueError(f"labels must take at least 2 values for classification, found {label_list}")
+            raise UsageError(f"labels must take at least 2 values for classification, found {label_list}")
     non_label = [c for c in columns if c not in ("label", "idx")]
     if "sentence1" in non_label and "sentence2" in non_label:
         key1, key2 = "sentence1", "sentence2"
@@ -353,7 +384,7 @@ def glue_task_info(raw_datasets, task_name: Optional[str] = None) -> GlueTaskInf
     elif len(non_label) == 1:
         key1, key2 = non_label[0], None
     else:
-        raise ValueError(f"data files need at least one text column besides 'label' (have {columns})")
+        raise UsageError(f"data files need at least one text column besides 'label' (have {columns})")
     return GlueTaskInfo(
         task_name=None,
         sentence1_key=key1,
@@ -441,7 +472,7 @@ def take_first(dataset, max_samples: Optional[int]):
     if max_samples is None:
         return dataset
     if max_samples < 1:
-        raise ValueError(f"max samples must be a positive integer, got {max_samples}")
+        raise UsageError(f"max samples must be a positive integer, got {max_samples}")
     return dataset.select(range(min(max_samples, len(dataset))))
 
 
@@ -565,7 +596,7 @@ def set_rpe_learning_rate(optimizer, model, learning_rate: float):
     """
     rpe = [p for n, p in model.named_parameters() if n.endswith("rpe_table") and p.requires_grad]
     if not rpe:
-        raise ValueError("a separate RPE learning rate needs an NPRF model: this one has no rpe_table parameters")
+        raise UsageError("a separate RPE learning rate needs an NPRF model: this one has no rpe_table parameters")
     moved = {id(p) for p in rpe}
     for group in optimizer.param_groups:
         group["params"] = [p for p in group["params"] if id(p) not in moved]
@@ -592,7 +623,55 @@ def check_conversion_flags(args):
         return
     for name in CONVERSION_OPTIONS:
         if getattr(args, name):
-            raise ValueError(f"--{name} is only used with --convert_to_nprf")
+            raise UsageError(f"--{name} is only used with --convert_to_nprf")
+
+
+def quiet_unless_main(main_process):
+    """On every process but the main one: no INFO logs from nprf_hf (conversion report, transfer report) and no
+    datasets / transformers progress bars, so a multi-process run (accelerate launch, torchrun) prints each of them once."""
+    if main_process:
+        return
+    logging.getLogger("nprf_hf").setLevel(logging.WARNING)
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()  # "Loading weights" bars
+
+
+def record_task(config, task_name):
+    """Store the task in `config.finetuning_task`: transformers 5 drops `from_pretrained(finetuning_task=...)`,
+    and the saved config is where `nprf-hf card` (and other tools) look for it."""
+    if task_name is not None:
+        config.finetuning_task = task_name
+    return config
+
+
+def write_nprf_card(model_dir, model, task_name, source, main_process=True):
+    """Write the NPRF model card (README.md: NPRF, `trust_remote_code=True`, settings, limits, results from
+    eval_results.json) for a fine-tuned NPRF model in `model_dir`, in place of the Trainer's generic one.
+    `source`: the checkpoint the run started from (recorded as `base_model` when it is a Hub id, not a local
+    path). Returns False for a softmax model (the caller keeps HF's card), True otherwise."""
+    if not model.config.model_type.startswith("nprf_"):
+        return False
+    if main_process:
+        from .checkpoint_files import looks_like_path
+        from .modelcard import HUB_ID, write_model_card
+
+        base_model = None if os.path.isdir(source) or looks_like_path(source) or not HUB_ID.match(source) else source
+        results = os.path.join(model_dir, "eval_results.json")
+        # a non-GLUE run's metrics name no dataset: the card then leaves them out rather than guess one
+        eval_results = results if os.path.isfile(results) and _glue_task_or_none(task_name) else False
+        path = write_model_card(model_dir, eval_results=eval_results, task_name=task_name, base_model=base_model)
+        logger.info("Wrote the NPRF model card %s", path)
+    return True
+
+
+def _glue_task_or_none(task_name):
+    try:
+        return normalize_task_name(task_name) if task_name is not None else None
+    except UsageError:
+        return None
 
 
 def convert_and_transfer(
@@ -618,17 +697,17 @@ def convert_and_transfer(
 
     overrides = json.loads(args.nprf_config) if args.nprf_config else {}
     if not isinstance(overrides, dict):
-        raise ValueError(f"--nprf_config must be a JSON object, got {args.nprf_config!r}")
+        raise UsageError(f"--nprf_config must be a JSON object, got {args.nprf_config!r}")
     student = nprf_hf.convert_to_nprf(model, tokenizer=tokenizer, **overrides)
     logger.info("Converted to %s", type(student).__name__)
     if args.attention_transfer_steps <= 0:
         if args.attention_transfer_text is not None:
-            raise ValueError("--attention_transfer_text needs --attention_transfer_steps N (N > 0)")
+            raise UsageError("--attention_transfer_text needs --attention_transfer_steps N (N > 0)")
         return student
     text = args.attention_transfer_text
     texts = nprf_hf.read_transfer_texts(text) if text is not None else train_texts
     if not texts:
-        raise ValueError("attention transfer needs texts: give --attention_transfer_text or a training split")
+        raise UsageError("attention transfer needs texts: give --attention_transfer_text or a training split")
     report = nprf_hf.attention_transfer(
         student,
         model,

@@ -102,7 +102,7 @@ $recipe
 - The attention is a random-feature estimate of a *normalized* softmax kernel with a learned relative bias,
   not the source model's softmax attention: a converted checkpoint must be fine-tuned (or further pre-trained)
   before use. The conversion copies every source tensor, but the attention function changes.
-- $length_limit
+- $length_limit$untrained_head
 - `output_attentions=True` and 4D attention masks that are not padding masks use the dense n x n weights
   (O(n^2) memory); both raise beyond `output_attentions_max_length` = $output_attentions_max_length tokens.
 - Attention dropout (`attention_probs_dropout_prob`) is not applied; flash / flex attention are not supported
@@ -299,6 +299,21 @@ def _length_limit(config):
     )
 
 
+def _untrained_head_limit(model_dir):
+    """A limits line when the conversion initialised head tensors that the source lacked (conversion_report.json)."""
+    from .checkpoint_files import read_conversion_report
+
+    report = read_conversion_report(model_dir)
+    if not report or not report.get("untrained_head"):
+        return ""
+    names = ", ".join(f"`{name}`" for name in report["untrained_head"])
+    return (
+        f"\n- **Untrained head:** the source ({report['source_architecture']}) had no weights for the "
+        f"{report['target_class']} head; {names} were randomly initialised at conversion. Its outputs are noise "
+        "until the head is trained."
+    )
+
+
 def build_model_card(
     model_dir,
     eval_results=None,
@@ -378,6 +393,7 @@ def build_model_card(
         settings=settings,
         recipe=_recipe(config, base_model, glue_task),
         length_limit=_length_limit(config),
+        untrained_head=_untrained_head_limit(model_dir),
         output_attentions_max_length=config.get("output_attentions_max_length"),
         feature_redraw_interval=config.get("feature_redraw_interval"),
     )

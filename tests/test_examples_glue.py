@@ -185,6 +185,19 @@ def test_run_glue_local_files_and_predict(tiny_model, tmp_path):
     assert all(line.split("\t")[1] in {"bad", "fine", "good"} for line in lines[1:])
 
 
+def assert_nprf_card_and_task(out, task):
+    """A fine-tuned NPRF model records its task in config.json and gets the NPRF card (not the Trainer's), and
+    `nprf-hf card` on the folder works without --task-name (issue 13, item 5)."""
+    from nprf_hf.cli import main as cli_main
+
+    assert read_json(out / "config.json")["finetuning_task"] == task
+    card = (out / "README.md").read_text()
+    assert "trust_remote_code=True" in card and "NPRF" in card and f"Task: `{task}`" in card
+    assert "base_model:" not in card  # the source was a local folder: no local path as base_model
+    assert cli_main(["card", str(out), "--output", str(out / "CARD.md")]) == 0
+    assert f"Task: `{task}`" in (out / "CARD.md").read_text()
+
+
 @needs_data
 def test_run_glue_convert_to_nprf(tiny_model, tmp_path):
     out = tmp_path / "out"
@@ -202,6 +215,7 @@ def test_run_glue_convert_to_nprf(tiny_model, tmp_path):
     # the saved NPRF model reproduces the reported accuracy
     expected, _ = recomputed_metrics(str(out), "sst2", 8)
     assert results["eval_accuracy"] == pytest.approx(expected["accuracy"])
+    assert_nprf_card_and_task(out, "sst2")
     with pytest.raises(ValueError, match="--nprf_config is only used with --convert_to_nprf"):
         run_glue.main(["--model_name_or_path", tiny_model, "--nprf_config", "{}", "--task_name", "sst2",
                        "--glue_dir", DATA, "--do_eval", "--output_dir", str(tmp_path / "x")])
@@ -222,6 +236,7 @@ def test_rpe_learning_rate(tiny_model, tmp_path, script):
         else:
             run_glue_no_trainer.main(common + ["--num_train_epochs", "1", "--report_to", "none"])
         largest[name] = load_file(str(out / "model.safetensors"))["bert.encoder.rpe_table"].abs().max().item()
+        assert_nprf_card_and_task(out, "sst2")
     assert largest["shared"] < 1e-5 < 0.01 < largest["own"]
     if script == "trainer":
         with pytest.raises(ValueError, match="no rpe_table"):
@@ -405,7 +420,7 @@ def test_two_process_data_parallel(tiny_model, tmp_path, script):
         "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()), script,
         "--model_name_or_path", tiny_model, "--task_name", "mrpc", "--glue_dir", DATA, "--output_dir", str(out),
         "--max_train_samples", "24", "--max_eval_samples", "21", "--per_device_train_batch_size", "4",
-        "--num_train_epochs", "1", "--learning_rate", "1e-3",
+        "--num_train_epochs", "1", "--learning_rate", "1e-3", "--convert_to_nprf",
     ]
     if script == RUN_GLUE:
         command += ["--do_train", "--do_eval", "--save_strategy", "no"]
@@ -416,6 +431,12 @@ def test_two_process_data_parallel(tiny_model, tmp_path, script):
     assert "Num processes: 2" in log or "world size: 2" in log
     writes = re.findall(r"Wrote \S*eval_results\.json \(process (\d+) of (\d+)\)", log)
     assert writes == [("0", "2")], log[-5000:]
+    # the conversion report and the tokenization progress bars come from the main process only
+    assert log.count("Converted BertForSequenceClassification (bert) -> NPRFBertForSequenceClassification") <= 1, log
+    segments = [segment.strip() for segment in re.split(r"[\r\n]", log)]
+    tokenized = [s for s in segments if s.startswith("Tokenizing: 100%")]
+    assert len(tokenized) <= 2, tokenized  # train + validation, not once per process
+    assert len([s for s in segments if s.startswith("Loading weights: 100%")]) <= 1, log[-5000:]
 
     results = read_json(out / "eval_results.json")
     assert results["eval_samples"] == 21

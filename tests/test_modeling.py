@@ -378,6 +378,7 @@ def test_trainer_lowers_the_loss(tmp_path):
         save_strategy="no",
         report_to="none",
         use_cpu=True,
+        dataloader_pin_memory=False,
         seed=0,
     )
     trainer = Trainer(model=model, args=args, train_dataset=examples)

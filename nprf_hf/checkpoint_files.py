@@ -1,0 +1,131 @@
+# Copyright 2025 The nprf-hf authors. Licensed under the Apache License, Version 2.0.
+"""What a converted checkpoint needs besides weights, config and tokenizer, and the checks on a
+source argument before any loading.
+
+- sentence-transformers files: a sentence-transformers model (`modules.json`, `1_Pooling/`,
+  `sentence_bert_config.json`, ...) stays one after conversion, so that
+  `SentenceTransformer(out_dir, trust_remote_code=True)` works.
+- `conversion_report.json`: what the conversion copied, extended, dropped and initialised fresh, so
+  that later tools (the model card) can say which tensors were never trained.
+- `check_local_path`: an argument that looks like a path but does not exist is reported as such at
+  once, instead of as an invalid Hub id (or after retries against an unreachable Hub).
+"""
+
+import json
+import logging
+import os
+import re
+import shutil
+
+
+logger = logging.getLogger(__name__)
+
+# sentence-transformers' own files at the top of a model folder
+SENTENCE_TRANSFORMERS_FILES = ("modules.json", "config_sentence_transformers.json", "sentence_bert_config.json")
+SENTENCE_BERT_CONFIG = "sentence_bert_config.json"
+CONVERSION_REPORT = "conversion_report.json"
+
+
+# a Hub id: "name" or "org/name" (letters, digits, "-", "_", "."; not starting with "." or "-")
+_HUB_ID = re.compile(r"[A-Za-z0-9_][\w.-]*(/[A-Za-z0-9_][\w.-]*)?")
+
+
+def looks_like_path(value) -> bool:
+    """True when `value` is meant as a local path, not a Hub id: it starts with `.`, `/` or `~`, or holds a path
+    separator and is not of the Hub's `org/name` form."""
+    value = os.fspath(value)
+    if value.startswith((".", "/", "~")):
+        return True
+    has_separator = os.sep in value or (os.altsep is not None and os.altsep in value)
+    return has_separator and not _HUB_ID.fullmatch(value)
+
+
+def check_local_path(value, what="model directory"):
+    """Raise `FileNotFoundError("no such directory: ...")` at once when `value` looks like a local path and
+    does not exist (instead of HF's "Repo id must use alphanumeric chars" or retries against the Hub)."""
+    if looks_like_path(value) and not os.path.exists(os.path.expanduser(os.fspath(value))):
+        raise FileNotFoundError(f"no such directory: {os.fspath(value)} (pass an existing {what} or a Hub id)")
+
+
+def _sentence_transformers_source(src, revision=None):
+    """Local folder holding the sentence-transformers files of `src` (a local dir, or a Hub id fetched
+    through the Hub cache), or None when `src` is no sentence-transformers model."""
+    if os.path.isdir(src):
+        return src if os.path.isfile(os.path.join(src, "modules.json")) else None
+    try:
+        from huggingface_hub import hf_hub_download, snapshot_download
+
+        modules_file = hf_hub_download(src, "modules.json", revision=revision)
+        with open(modules_file, encoding="utf-8") as handle:
+            paths = [module.get("path", "") for module in json.load(handle)]
+        patterns = list(SENTENCE_TRANSFORMERS_FILES) + [f"{path}/*" for path in paths if path]
+        return snapshot_download(src, revision=revision, allow_patterns=patterns)
+    except Exception as error:  # no modules.json, or no Hub: not a sentence-transformers model as far as we can tell
+        logger.info("no sentence-transformers files for %s (%s)", src, error)
+        return None
+
+
+def carry_sentence_transformers_files(src, out_dir, max_seq_length=None, revision=None):
+    """Copy the sentence-transformers files of `src` (its top-level json files and every module folder that
+    `modules.json` names, e.g. `1_Pooling/`) into `out_dir`; with `max_seq_length`, write it into
+    `sentence_bert_config.json` (the converted model's longer position table). The transformer module's
+    files (weights, config, tokenizer) are the converted ones already in `out_dir`.
+    Returns the copied paths relative to `out_dir` (empty for a source that is no sentence-transformers model)."""
+    if not isinstance(src, (str, os.PathLike)):
+        return []
+    folder = _sentence_transformers_source(os.fspath(src), revision)
+    if folder is None:
+        return []
+    copied = []
+    for name in SENTENCE_TRANSFORMERS_FILES:
+        if os.path.isfile(os.path.join(folder, name)):
+            shutil.copyfile(os.path.join(folder, name), os.path.join(out_dir, name))
+            copied.append(name)
+    with open(os.path.join(folder, "modules.json"), encoding="utf-8") as handle:
+        modules = json.load(handle)
+    for module in modules:
+        path = module.get("path", "")
+        # path "" is the transformer itself; a module without a folder (Normalize) has nothing to copy
+        if path and os.path.isdir(os.path.join(folder, path)):
+            shutil.copytree(os.path.join(folder, path), os.path.join(out_dir, path), dirs_exist_ok=True)
+            copied.append(path + "/")
+    if max_seq_length is not None:
+        config_path = os.path.join(out_dir, SENTENCE_BERT_CONFIG)
+        settings = {}
+        if os.path.isfile(config_path):
+            with open(config_path, encoding="utf-8") as handle:
+                settings = json.load(handle)
+        settings["max_seq_length"] = int(max_seq_length)
+        with open(config_path, "w", encoding="utf-8") as handle:
+            json.dump(settings, handle, indent=2)
+        if SENTENCE_BERT_CONFIG not in copied:
+            copied.append(SENTENCE_BERT_CONFIG)
+    return copied
+
+
+def write_conversion_report(report, out_dir):
+    """Save the report's tensor lists as `conversion_report.json` next to the weights."""
+    data = {
+        "source_model_type": report.source_model_type,
+        "source_architecture": report.source_architecture,
+        "target_class": report.target_class,
+        "rpe_init": report.rpe_init,
+        "copied": list(report.copied),
+        "extended": {name: list(rows) for name, rows in report.extended.items()},
+        "new": {name: list(shape) for name, shape in report.new.items()},
+        "untrained_head": list(getattr(report, "untrained_head", [])),
+        "tied": dict(getattr(report, "tied", {})),
+        "dropped": list(report.dropped),
+        "sentence_transformers_files": list(getattr(report, "sentence_transformers_files", [])),
+    }
+    with open(os.path.join(out_dir, CONVERSION_REPORT), "w", encoding="utf-8") as handle:
+        json.dump(data, handle, indent=2)
+
+
+def read_conversion_report(model_dir):
+    """The saved conversion report of `model_dir` as a dict, or None when there is none."""
+    path = os.path.join(model_dir, CONVERSION_REPORT)
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle)

