@@ -8,7 +8,7 @@ from . import functional
 from .cache_nprf import NPRFCache
 from .configuration_nprf import NPRF_CONFIG_CLASSES
 from .convert import convert_checkpoint, convert_to_nprf
-from .families import FAMILIES, HEADS
+from .families import HEADS
 from .modeling_nprf import NPRF_MODEL_CLASSES
 from .transfer import TransferReport, attention_transfer, read_transfer_texts
 

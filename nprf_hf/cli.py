@@ -12,7 +12,6 @@ one to `SUBCOMMANDS`.
 import argparse
 import sys
 
-from .modelcard import add_card_subcommand
 
 
 def _bool(value):
@@ -150,7 +149,63 @@ def run_convert(args):
     return 0
 
 
-SUBCOMMANDS = (add_convert_parser, add_card_subcommand)
+def _add_card_arguments(parser):
+    parser.add_argument("model_dir", help="directory of a saved NPRF model")
+    parser.add_argument(
+        "--eval-results", help="JSON of metrics, e.g. the GLUE script's eval_results.json (default: MODEL_DIR/eval_results.json if present)"
+    )
+    parser.add_argument("--no-eval-results", action="store_true", help="write no results even if MODEL_DIR/eval_results.json exists")
+    parser.add_argument("--base-model", help="Hub id of the source checkpoint, e.g. sentence-transformers/all-MiniLM-L6-v2")
+    parser.add_argument("--dataset", action="append", dest="datasets", help="Hub id of a training/eval dataset (repeatable)")
+    parser.add_argument("--task-name", help="GLUE task (sst2, cola, mrpc, ...) or a free task name (default: from the results or config.finetuning_task)")
+    parser.add_argument("--eval-split", help="dataset split of the results (default: validation; MNLI: matched/mismatched)")
+    parser.add_argument("--notes", help="markdown shown under the results (how they were measured)")
+    parser.add_argument("--model-name", help="title and model-index name (default: MODEL_DIR's name)")
+    parser.add_argument("--repo-id", help="Hub repo id used in the usage snippet (default: the model name)")
+    parser.add_argument("--license")
+    parser.add_argument("--language", action="append")
+    parser.add_argument("--tag", action="append", dest="tags", help="extra tag (repeatable)")
+    parser.add_argument("--output", help="where to write the card (default: MODEL_DIR/README.md)")
+    parser.set_defaults(func=run_card)
+    return parser
+
+
+def add_card_parser(subparsers):
+    """Register `nprf-hf card` on the subparsers of the `nprf-hf` parser (its `func` runs it)."""
+    parser = subparsers.add_parser(
+        "card",
+        help="write a Hub model card (README.md) for a saved NPRF model",
+        description="Write MODEL_DIR/README.md: YAML front matter (pipeline_tag, tags, datasets, metrics, base_model, "
+        "model-index from eval_results.json), usage with trust_remote_code=True, NPRF settings, the conversion "
+        "recipe and its limits.",
+    )
+    return _add_card_arguments(parser)
+
+
+def run_card(args):
+    from .modelcard import write_model_card
+
+    eval_results = False if args.no_eval_results else args.eval_results
+    path = write_model_card(
+        args.model_dir,
+        eval_results=eval_results,
+        output_path=args.output,
+        base_model=args.base_model,
+        datasets=args.datasets,
+        task_name=args.task_name,
+        eval_split=args.eval_split,
+        notes=args.notes,
+        model_name=args.model_name,
+        repo_id=args.repo_id,
+        license=args.license,
+        language=args.language,
+        tags=args.tags,
+    )
+    print(f"Wrote {path}")
+    return 0
+
+
+SUBCOMMANDS = (add_convert_parser, add_card_parser)
 
 
 def build_parser():

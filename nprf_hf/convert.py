@@ -353,23 +353,53 @@ def _convert(
     from .modeling_nprf import NPRF_MODEL_CLASSES
 
     target_class = NPRF_MODEL_CLASSES[model_type][head]
-    # builds on CPU in float32, then takes the source's dtype
-    dtype = source.dtype
-    target = target_class(config)
-    target.eval()
+    target = target_class(config).eval()
+    report = ConversionReport(model_type, architecture, target_class.__name__, rpe_init=rpe_init)
+    loaded = _copy_source_tensors(source, target, architecture, family, head, report)
+    _mark_tied_and_untrained_head(report, target, loaded, family.class_name(head, nprf=False))
+    if rpe_init == "calibrated":
+        biases = calibrate_rpe(
+            source,
+            tokenizer,
+            calibration_text,
+            num_buckets=config.rpe_num_buckets,
+            max_distance=config.rpe_max_distance,
+            block_size=calibration_block_size,
+            num_blocks=calibration_blocks,
+        )  # [L, H, nb]
+    with torch.no_grad():
+        for param, layer in _rpe_tables(target):
+            if rpe_init == "zeros":
+                param.zero_()
+                continue
+            bias = biases.mean(0) if layer is None else biases[layer]
+            param.copy_(bias.to(param.dtype))
 
+    if transfer_texts is not None:
+        from .transfer import attention_transfer
+
+        report.transfer = attention_transfer(target, source, tokenizer, transfer_texts, **(transfer_options or {}))
+
+    if tokenizer is not None and "max_position_embeddings" in config_overrides:
+        tokenizer.model_max_length = config.max_position_embeddings - position_offset(config)
+    return target, tokenizer, report
+
+
+def _copy_source_tensors(source, target, architecture, family, head, report):
+    """Load every source tensor into `target` bit for bit (the position table extended when the NPRF config
+    has more rows), check the copy, and fill the report's copied / extended / dropped / new. Returns the
+    {name: source tensor} loaded."""
+    config = target.config
     source_state = source.state_dict()
     # the source may be a different head than the target (head= given): align the base-model prefix
     source_state = _align_prefix(source_state, source, target)
     target_state = target.state_dict()
-
-    report = ConversionReport(model_type, architecture, target_class.__name__, rpe_init=rpe_init)
     position_key = next((k for k in source_state if k.endswith("embeddings.position_embeddings.weight")), None)
     if position_key is not None and position_key in target_state:
         old_rows, new_rows = source_state[position_key].shape[0], target_state[position_key].shape[0]
         if new_rows != old_rows:
             source_state[position_key] = extend_position_embeddings(
-                source_state[position_key], new_rows, position_offset(source_config)
+                source_state[position_key], new_rows, position_offset(source.config)
             )
             report.extended[position_key] = (old_rows, new_rows)
 
@@ -389,9 +419,9 @@ def _convert(
         elif name.startswith(droppable) or head != source_head:
             report.dropped.append(name)
         else:
-            raise RuntimeError(f"source tensor {name} has no counterpart in {target_class.__name__}")
+            raise RuntimeError(f"source tensor {name} has no counterpart in {type(target).__name__}")
     target.load_state_dict(to_load, strict=False)
-    target.to(dtype)
+    target.to(source.dtype)  # built in float32, takes the source's dtype
 
     # the check that the copy is exact (cheap, and catches tying / renaming surprises)
     final_state = target.state_dict()
@@ -400,38 +430,7 @@ def _convert(
             raise RuntimeError(f"tensor {name} was not copied exactly")
     report.copied = sorted(name for name in to_load if name not in report.extended)
     report.new = {name: tuple(t.shape) for name, t in final_state.items() if name not in to_load}
-    _mark_tied_and_untrained_head(report, target, to_load, family.class_name(head, nprf=False))
-
-    num_buckets = config.rpe_num_buckets
-    tables = _rpe_tables(target)
-    if rpe_init == "calibrated":
-        biases = calibrate_rpe(
-            source,
-            tokenizer,
-            calibration_text,
-            num_buckets=num_buckets,
-            max_distance=config.rpe_max_distance,
-            block_size=calibration_block_size,
-            num_blocks=calibration_blocks,
-        )  # [L, H, nb]
-    with torch.no_grad():
-        for param, layer in tables:
-            if rpe_init == "zeros":
-                param.zero_()
-                continue
-            bias = biases.mean(0) if layer is None else biases[layer]
-            if param.shape != bias.shape:
-                bias = bias.t()
-            param.copy_(bias.to(param.dtype))
-
-    if transfer_texts is not None:
-        from .transfer import attention_transfer
-
-        report.transfer = attention_transfer(target, source, tokenizer, transfer_texts, **(transfer_options or {}))
-
-    if tokenizer is not None and "max_position_embeddings" in config_overrides:
-        tokenizer.model_max_length = config.max_position_embeddings - position_offset(config)
-    return target, tokenizer, report
+    return to_load
 
 
 def untrained_head_message(report):

@@ -51,7 +51,7 @@ from transformers.utils import logging
 
 from .cache_nprf import NPRFGenerationMixin, default_decoder_cache, find_nprf_cache
 from .configuration_nprf import NPRF_CONFIG_CLASSES, validate_nprf_fields
-from .families import ATTENTION_LAYOUTS, FAMILIES, HEADS, family_of, position_offset
+from .families import ATTENTION_LAYOUTS, FAMILIES, HEADS, family_of
 from .functional import (
     draw_projection,
     nprf_attention,
@@ -448,10 +448,8 @@ class NPRFEmbeddings(nn.Module):
 
     def make_position_ids(self, input_ids, inputs_embeds, past_key_values_length):
         """[B or 1, L] position of every token."""
-        if input_ids is not None:
-            device, (batch, length) = input_ids.device, input_ids.shape
-        else:
-            device, (batch, length) = inputs_embeds.device, inputs_embeds.shape[:2]
+        reference = input_ids if input_ids is not None else inputs_embeds
+        device, length = reference.device, reference.shape[1]
         if self.padding_idx is None:
             return torch.arange(past_key_values_length, past_key_values_length + length, device=device)[None]
         if input_ids is None:  # every token is real

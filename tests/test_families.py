@@ -191,7 +191,7 @@ def test_new_families_round_trip_as_remote_code_in_a_fresh_process(tmp_path):
 def test_run_glue_converts_and_fine_tunes_each_new_family(model_type, tmp_path):
     """`run_glue.py --convert_to_nprf` on a tiny checkpoint of the family (MiniLM's WordPiece tokenizer),
     MRPC sentence pairs: trains, evaluates, saves an NPRF model of the family."""
-    from test_examples_glue import DATA, needs_data, run_glue  # noqa: F401
+    from test_examples_glue import DATA, run_glue
 
     if not os.path.isdir(DATA):
         pytest.skip("shared GLUE data not present")

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 import torch
-from transformers import AutoTokenizer, BertConfig, BertForMaskedLM, BertTokenizerFast
+from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
 
 import nprf_hf
 from nprf_hf import NPRFBertModel, convert_checkpoint

@@ -12,6 +12,7 @@ from huggingface_hub import CommitInfo, HfApi, ModelCard, RepoUrl
 from transformers import BertConfig, BertTokenizerFast
 
 from nprf_hf import NPRFBertConfig, NPRFBertForSequenceClassification, NPRFRobertaConfig, modelcard
+from nprf_hf import cli
 from nprf_hf.cli import build_parser
 
 
@@ -210,8 +211,8 @@ def test_cli_main_writes_the_card(glue_dir, tmp_path, capsys):
     results = tmp_path / "other_results.json"
     results.write_text(json.dumps({"eval_accuracy": 0.5}))
     output = tmp_path / "card.md"
-    code = modelcard.main(
-        [glue_dir, "--eval-results", str(results), "--base-model", "google-bert/bert-base-uncased",
+    code = cli.main(
+        ["card", glue_dir, "--eval-results", str(results), "--base-model", "google-bert/bert-base-uncased",
          "--dataset", "nyu-mll/glue", "--task-name", "sst2", "--tag", "demo", "--output", str(output)]
     )
     assert code == 0 and f"Wrote {output}" in capsys.readouterr().out
@@ -221,13 +222,13 @@ def test_cli_main_writes_the_card(glue_dir, tmp_path, capsys):
     assert result["dataset"]["config"] == "sst2" and result["metrics"][0]["value"] == 0.5
     assert not os.path.exists(os.path.join(glue_dir, "README.md"))
 
-    assert modelcard.main([str(tmp_path / "nowhere")]) == 2
+    assert cli.main(["card", str(tmp_path / "nowhere")]) == 2
     assert "nprf-hf card: error:" in capsys.readouterr().err
 
 
 def test_add_card_subcommand_registers_card(glue_dir):
     parser = argparse.ArgumentParser(prog="nprf-hf")
-    modelcard.add_card_subcommand(parser.add_subparsers(dest="command"))
+    cli.add_card_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["card", glue_dir, "--no-eval-results"])
     assert args.func(args) == 0
     meta, _ = front_matter(os.path.join(glue_dir, "README.md"))
