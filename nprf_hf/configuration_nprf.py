@@ -163,11 +163,6 @@ def validate_nprf_fields(config):
         )
     if config.token_match and not config.segment_bias:
         raise ValueError("token_match=True matches tokens across segments: it needs segment_bias=True too")
-    if config.hidden_size % config.num_attention_heads != 0:
-        raise ValueError(
-            f"hidden_size ({config.hidden_size}) must be a multiple of num_attention_heads "
-            f"({config.num_attention_heads})"
-        )
 
 
 def nprf_auto_map(family):

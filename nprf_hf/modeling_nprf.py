@@ -24,6 +24,9 @@ Design notes:
   general bool mask [B, 1|H, Lq, Lk], applied exactly through the dense weights. Both are 4D, so
   transformers' mask builders pass them through untouched (no L x L mask is built for padding), and
   `_create_attention_masks` keeps None as None.
+- Generation: NPRF decoders decode through `cache_nprf.NPRFCache` (the far sums S, z and the last W - 1
+  keys: constant cost and memory per token, exact); a growing HF cache still works (zero queries are
+  padded in front of the cached positions and their rows dropped).
 - Cross-attention (decoder with `add_cross_attention=True`) is HF's softmax cross-attention,
   unchanged: the paper's RPE has no meaning between two different sequences.
 - Attention dropout (`attention_probs_dropout_prob`) is not applied: the fast algorithms never
@@ -44,6 +47,7 @@ import transformers
 from torch import nn
 from torch.nn import functional as F
 
+from transformers import GenerationMixin
 from transformers import initialization as init
 from transformers.cache_utils import EncoderDecoderCache
 from transformers.masking_utils import create_bidirectional_mask
@@ -175,6 +179,11 @@ class NPRFSelfAttention(nn.Module):
         super().__init__()
         self.config = config
         self.layout = ATTENTION_LAYOUTS["bert"] if layout is None else layout
+        if config.hidden_size % config.num_attention_heads != 0:  # checked by the model, as HF's attentions do
+            raise ValueError(
+                f"hidden_size ({config.hidden_size}) must be a multiple of num_attention_heads "
+                f"({config.num_attention_heads})"
+            )
         self.num_attention_heads = config.num_attention_heads
         self.attention_head_size = config.hidden_size // config.num_attention_heads
         names = (self.layout.query, self.layout.key, self.layout.value) + ((self.layout.output,) if self.layout.output else ())
@@ -339,7 +348,21 @@ class NPRFSelfAttention(nn.Module):
                 )
 
         first = key_length - query_length  # rows of the current queries
-        if general_mask is None:
+        if general_mask is None and output_attentions:
+            # The output is computed from the returned weights, so they are part of the graph (attribution
+            # through `attentions[i].retain_grad()` works); dense, hence the length limit above.
+            attn_weights = nprf_attention_weights(
+                query,
+                key,
+                rpe_bias,
+                self.projection,
+                key_padding_mask=key_padding_mask,
+                causal=self.is_causal,
+                logit_scale=logit_scale,
+                **segments,
+            )[:, :, first:]
+            attn_output = (attn_weights.to(value.dtype) @ value).to(value.dtype)
+        elif general_mask is None:
             attn_output = nprf_attention(
                 query,
                 key,
@@ -353,17 +376,6 @@ class NPRFSelfAttention(nn.Module):
                 logit_scale=logit_scale,
                 **segments,
             )[:, :, first:]
-            if output_attentions:
-                attn_weights = nprf_attention_weights(
-                    query,
-                    key,
-                    rpe_bias,
-                    self.projection,
-                    key_padding_mask=key_padding_mask,
-                    causal=self.is_causal,
-                    logit_scale=logit_scale,
-                    **segments,
-                )[:, :, first:]
         else:
             # Exact for any mask: restrict the unmasked weights to the allowed keys and renormalize, in
             # float32 for half inputs (the allowed keys' share of a row can underflow float16).
@@ -737,7 +749,7 @@ def _nprf_classes(family):
             continue
         hf_head = getattr(transformers, family.class_name(head, nprf=False))
         # decoders generate through an NPRFCache (constant cost per token, `cache_nprf`)
-        bases = (NPRFGenerationMixin, pretrained, hf_head) if head == "causal-lm" else (pretrained, hf_head)
+        bases = (NPRFGenerationMixin, pretrained, hf_head, GenerationMixin) if head == "causal-lm" else (pretrained, hf_head)
         classes[head] = make(
             family.class_name(head),
             bases,

@@ -218,3 +218,43 @@ def test_run_glue_converts_and_fine_tunes_each_new_family(model_type, tmp_path):
     assert saved["architectures"] == [family.class_name("sequence-classification")]
     results = json.load(open(out / "eval_results.json"))
     assert results["eval_samples"] == 8 and 0 <= results["eval_accuracy"] <= 1
+
+
+# ---------------------------------------------------------------------------------------------
+# transformers' contracts for model classes (issue 13: what its common model tests found)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_config_accepts_indivisible_sizes_and_the_model_refuses_them():
+    """As BertConfig: the config takes hidden_size=32 with 12 heads; building the attention raises."""
+    config = nprf_hf.NPRFBertConfig(hidden_size=32)
+    assert config.num_attention_heads == 12
+    with pytest.raises(ValueError, match=r"\(32\) is not a multiple of the number of attention heads \(12\)"):
+        nprf_hf.NPRFBertModel(config)
+
+
+@pytest.mark.parametrize("model_type", ["bert", "distilbert"])
+def test_returned_attentions_are_part_of_the_graph(model_type):
+    family = FAMILIES[model_type]
+    torch.manual_seed(0)
+    model = NPRF_MODEL_CLASSES[model_type]["model"](tiny_nprf_config(family)).eval()
+    with torch.no_grad():
+        getattr(model.base_model, ATTENTION_LAYOUTS[family.layout].encoder).rpe_table.normal_(0.0, 0.5)
+    input_ids, attention_mask = head_inputs("model")
+    out = model(input_ids=input_ids, attention_mask=attention_mask, output_attentions=True)
+    plain = model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    real = attention_mask.bool()
+    torch.testing.assert_close(out.last_hidden_state[real], plain[real], rtol=1e-5, atol=1e-5)
+    assert len(out.attentions) == 2
+    for attention in out.attentions:
+        attention.retain_grad()
+    out.last_hidden_state[real].square().sum().backward()
+    for attention in out.attentions:
+        assert attention.grad is not None and attention.grad.abs().max() > 0
+
+
+def test_causal_lms_list_generation_mixin_among_their_bases():
+    for model_type, classes in NPRF_MODEL_CLASSES.items():
+        if "causal-lm" in classes:
+            assert transformers.GenerationMixin in classes["causal-lm"].__bases__, model_type
+            assert classes["causal-lm"].can_generate()
