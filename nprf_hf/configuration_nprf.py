@@ -42,105 +42,12 @@ Why each default:
   attention matrix per head; beyond this length it raises instead of exhausting memory.
 """
 
-from dataclasses import dataclass
-from typing import Callable, Optional
-
 import transformers
 
 from .families import FAMILIES, HEADS, family_of
-from .functional import ALGORITHMS as ATTENTION_ALGORITHMS
-from .functional import FEATURE_MAPS
+from .options import NPRF_FIELDS
 
 
-POSITION_EMBEDDING_TYPES = ("absolute", "none")
-
-
-def _is_int(value):
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value):
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-@dataclass(frozen=True)
-class NPRFField:
-    """One NPRF config field. `check(value)` -> bool and `rule` (the allowed values in words) give the
-    error message; `choices` replaces both for enumerations. `convert_option`: `nprf-hf convert` sets it."""
-
-    name: str
-    type: type
-    default: object
-    help: str
-    choices: Optional[tuple] = None
-    check: Optional[Callable] = None
-    rule: str = ""
-    convert_option: bool = True
-
-    def validate(self, value):
-        if self.choices is not None:
-            if value not in self.choices:
-                raise ValueError(f"{self.name} must be one of {self.choices}, got {value!r}")
-        elif self.type is bool:
-            if not isinstance(value, bool):
-                raise ValueError(f"{self.name} must be True or False, got {value!r}")
-        elif not self.check(value):
-            raise ValueError(f"{self.name} must be {self.rule}, got {value!r}")
-
-
-NPRF_FIELDS = (
-    NPRFField(
-        "num_random_features", int, 64, "m, random features per head",
-        check=lambda v: _is_int(v) and v >= 1, rule="a positive integer",
-    ),
-    NPRFField("feature_map", str, "orf", "orf: orthogonal random rows; prf: iid Gaussian rows", choices=FEATURE_MAPS),
-    NPRFField(
-        "feature_redraw_interval", int, 0, "0 = fixed projection; N = redraw it every N training forward passes",
-        check=lambda v: _is_int(v) and v >= 0,
-        rule="an integer >= 0 (0 = fixed projection, N = redraw every N training forward passes)",
-    ),
-    NPRFField(
-        "projection_seed", int, 0, "seed of every layer's random projection",
-        check=lambda v: _is_int(v) and v >= 0, rule="an integer >= 0",
-    ),
-    NPRFField(
-        "rpe_num_buckets", int, 32, "T5 relative position buckets", check=lambda v: _is_int(v) and v >= 4,
-        rule="an integer >= 4",
-    ),
-    NPRFField(
-        "rpe_max_distance", int, 128, "distance beyond which T5 buckets are constant (> rpe_num_buckets // 2)",
-        check=_is_int, rule="an integer",
-    ),
-    NPRFField("rpe_shared_across_layers", bool, True, "one RPE table for all layers (the paper) or one per layer"),
-    NPRFField(
-        "attention_algorithm", str, "auto", "exact algorithm of the Toeplitz product; auto picks by length",
-        choices=ATTENTION_ALGORITHMS,
-    ),
-    NPRFField(
-        "position_embedding_type", str, "absolute",
-        "absolute: keep the source's position table; none: relative positions only, any length",
-        choices=POSITION_EMBEDDING_TYPES,
-    ),
-    NPRFField(
-        "logit_scale_max", float, 0.0,
-        "0 = off; > 1: a learnable per-head scale (starting at 1, bounded by this) of the normalized content logits",
-        check=lambda v: _is_number(v) and (v == 0 or v > 1),
-        rule="0 (off: the paper's NPRF) or a number > 1 (the bound of the learnable per-head logit scale, which starts at 1)",
-    ),
-    NPRFField(
-        "segment_bias", bool, False,
-        "a learned per-head bias for query/key pairs in different segments of a sentence pair",
-    ),
-    NPRFField(
-        "token_match", bool, False,
-        "a learned per-head weight for the same token in the other segment (needs segment_bias)",
-    ),
-    NPRFField(
-        "output_attentions_max_length", int, 4096,
-        "longest input for which output_attentions / a non-padding mask may build the dense n x n weights",
-        check=lambda v: _is_int(v) and v >= 1, rule="a positive integer", convert_option=False,
-    ),
-)
 NPRF_FIELD_NAMES = tuple(field.name for field in NPRF_FIELDS)
 
 

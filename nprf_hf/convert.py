@@ -24,12 +24,10 @@ from torch import nn
 from .checkpoint_files import check_local_path, carry_sentence_transformers_files, write_conversion_report
 from .families import ATTENTION_LAYOUTS, FAMILIES, HEADS, family_of, position_offset
 from .functional import t5_relative_position_bucket
+from .options import RPE_INITS
 
 
 logger = logging.getLogger(__name__)
-
-RPE_INITS = ("zeros", "calibrated")
-
 
 @dataclass
 class ConversionReport:

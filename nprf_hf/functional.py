@@ -20,9 +20,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .options import ALGORITHMS, FEATURE_MAPS  # declared with the other options (no torch there)
 
-ALGORITHMS = ("auto", "dense", "fft", "banded")
-FEATURE_MAPS = ("orf", "prf")
 
 # Smallest chunk of the banded algorithm: below this the chunked matmuls are too small to be fast.
 BANDED_MIN_CHUNK = 16

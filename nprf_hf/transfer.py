@@ -18,13 +18,14 @@ By default the query/key projections, the RPE table(s) and the logit scales (whe
 `logit_scale_max`) train; values, output projections and everything else stay bit-identical.
 """
 
-import inspect
 import math
 import time
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
+
+from .options import TRANSFER_DEFAULTS
 
 
 Text = Union[str, Tuple[str, str]]
@@ -214,12 +215,12 @@ def attention_transfer(
     tokenizer,
     texts: Sequence[Text],
     *,
-    steps: int = 500,
-    batch_size: int = 16,
-    max_length: int = 128,
-    learning_rate: float = 1e-3,
-    table_learning_rate: float = 2e-2,
-    seed: int = 0,
+    steps: int = TRANSFER_DEFAULTS["steps"],
+    batch_size: int = TRANSFER_DEFAULTS["batch_size"],
+    max_length: int = TRANSFER_DEFAULTS["max_length"],
+    learning_rate: float = TRANSFER_DEFAULTS["learning_rate"],
+    table_learning_rate: float = TRANSFER_DEFAULTS["table_learning_rate"],
+    seed: int = TRANSFER_DEFAULTS["seed"],
     train_value_output: bool = False,
     eval_texts: Optional[Sequence[Text]] = None,
     eval_batches: int = 4,
@@ -368,13 +369,6 @@ def attention_transfer(
 
 
 # The keyword defaults of `attention_transfer`, for the CLI and the GLUE scripts' options.
-TRANSFER_DEFAULTS = {
-    name: parameter.default
-    for name, parameter in inspect.signature(attention_transfer).parameters.items()
-    if parameter.kind is inspect.Parameter.KEYWORD_ONLY
-}
-
-
 def _progress(total, enabled):
     try:
         from tqdm.auto import tqdm

@@ -388,3 +388,28 @@ def test_sentence_transformer_encodes_an_8k_token_document(tmp_path):
     assert features["input_ids"].shape[1] == 8192  # truncated to the extended length, not to the source's 512
     embedding = model.encode([document], convert_to_tensor=True)
     assert embedding.shape == (1, 384) and torch.isfinite(embedding).all()
+
+
+FAST_CLI = """
+import sys
+import nprf_hf_cli
+try:
+    nprf_hf_cli.main(sys.argv[1:])
+except SystemExit as exit:
+    print("EXIT", exit.code)
+print("LOADED", sorted(name for name in ("torch", "transformers", "nprf_hf") if name in sys.modules))
+"""
+
+
+@pytest.mark.parametrize("args,code", [(["--help"], 0), (["convert", "--help"], 0), (["convert", "--bogus"], 2),
+                                       (["card"], 2)])
+def test_cli_help_and_argument_errors_import_neither_torch_nor_the_package(args, code):
+    """Item 7: `nprf-hf --help` and argument errors are answered from the torch-free declarations."""
+    completed = subprocess.run([sys.executable, "-c", FAST_CLI, *args], capture_output=True, text=True, timeout=60,
+                               stdin=subprocess.DEVNULL)
+    assert f"EXIT {code}" in completed.stdout, completed.stdout + completed.stderr
+    assert "LOADED []" in completed.stdout, completed.stdout
+    if args[-1] == "--help" and args[0] == "convert":
+        from nprf_hf.options import NPRF_FIELDS
+
+        assert all("--" + f.name.replace("_", "-") in completed.stdout for f in NPRF_FIELDS if f.convert_option)

@@ -1,0 +1,254 @@
+# Copyright 2025 The nprf-hf authors. Licensed under the Apache License, Version 2.0.
+"""The `nprf-hf` command line: one subcommand per task.
+
+    nprf-hf convert SRC OUT [--num-random-features M] [--feature-map orf|prf] ...
+    nprf-hf card MODEL_DIR [--eval-results eval_results.json] [--base-model ID] ...
+
+A subcommand is a pair of functions: `add_<name>_parser(subparsers)` declares its arguments and sets
+`func` to the function that runs it (taking the parsed namespace, returning an exit code). Add a new
+one to `SUBCOMMANDS`.
+
+This module sits beside the `nprf_hf` package, not in it: importing the package registers the models
+with transformers (torch and transformers, seconds), which `--help` and argument errors must not wait
+for. The parser reads the torch-free declarations `nprf_hf/options.py` and `nprf_hf/families.py`
+without importing the package; a subcommand imports `nprf_hf` when it runs.
+"""
+
+import argparse
+import importlib
+import importlib.util
+import os
+import sys
+
+
+def _declarations(name):
+    """`nprf_hf.<name>` (options / families: no imports of their own), without running the package's
+    `__init__` unless it is already imported."""
+    if "nprf_hf" in sys.modules:
+        return importlib.import_module("nprf_hf." + name)
+    module_name = "_nprf_hf_declarations_" + name
+    if module_name not in sys.modules:
+        package = importlib.util.find_spec("nprf_hf")  # locates the package without importing it
+        path = os.path.join(package.submodule_search_locations[0], name + ".py")
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module  # dataclasses look their module up
+        spec.loader.exec_module(module)
+    return sys.modules[module_name]
+
+
+def _bool(value):
+    lowered = value.lower()
+    if lowered in ("true", "1", "yes"):
+        return True
+    if lowered in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
+# attention_transfer keyword -> (type, help) of its `--attention-transfer-*` option
+TRANSFER_OPTIONS = (
+    ("steps", int, "optimisation steps"),
+    ("batch_size", int, "texts per step"),
+    ("max_length", int, "tokens per text (longer ones are truncated)"),
+    ("learning_rate", float, "Adam rate of the query/key projections"),
+    ("table_learning_rate", float, "Adam rate of the RPE table(s) and logit scales"),
+    ("seed", int, "seed of the text order"),
+)
+
+
+def add_convert_parser(subparsers):
+    options, families = _declarations("options"), _declarations("families")
+    FAMILIES, HEADS = families.FAMILIES, families.HEADS
+
+    parser = subparsers.add_parser(
+        "convert",
+        help="convert a checkpoint (" + ", ".join(f.display_name for f in FAMILIES.values()) + ") to NPRF attention",
+        description=(
+            "Convert a " + ", ".join(f.display_name for f in FAMILIES.values()) + " checkpoint (local dir or Hub id, "
+            "any head) to the matching NPRF model. "
+            "Every source tensor is copied bit-identically; the new tensors (RPE table, random projections) "
+            "are listed. The output is saved with safetensors and remote code, plus the tokenizer, a sentence-transformers "
+            "model's files (pooling, max_seq_length) and conversion_report.json."
+        ),
+    )
+    parser.add_argument("src", help="local directory or Hub id of a softmax checkpoint of a supported family")
+    parser.add_argument("out", help="output directory")
+    nprf = parser.add_argument_group(
+        "NPRF settings", "config fields of the NPRF model (nprf_hf.configuration_nprf.NPRF_FIELDS); default: the field's"
+    )
+    for field in options.NPRF_FIELDS:
+        if not field.convert_option:
+            continue
+        kind = {"bool": dict(type=_bool, metavar="true|false"), "str": dict(choices=field.choices)}.get(
+            field.type.__name__, dict(type=field.type)
+        )
+        nprf.add_argument(
+            "--" + field.name.replace("_", "-"), **kind, help=f"{field.help} (default: {field.default})"
+        )
+    parser.add_argument(
+        "--max-position-embeddings",
+        type=int,
+        help="extend the absolute position table to N rows by tiling the learned rows (RoBERTa: N-2 usable); "
+        "default: the source's",
+    )
+    parser.add_argument(
+        "--rpe-init",
+        choices=options.RPE_INITS,
+        default="zeros",
+        help="start of the RPE table: zeros (the paper), or calibrated from the source's own attention per "
+        "distance (needs --calibration-text) (default: %(default)s)",
+    )
+    parser.add_argument("--calibration-text", metavar="PATH", help="plain text file for --rpe-init calibrated")
+    parser.add_argument(
+        "--calibration-blocks", type=int, default=32, metavar="N", help="number of calibration blocks (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--calibration-block-size", type=int, default=128, metavar="N",
+        help="tokens per calibration block (default: %(default)s)",
+    )
+    transfer = parser.add_argument_group(
+        "attention transfer",
+        "after converting, train the NPRF attention (query/key projections, RPE table, logit scales) so that "
+        "every layer reproduces the source's softmax attention output on unlabeled text (nprf_hf.attention_transfer)",
+    )
+    transfer.add_argument(
+        "--attention-transfer-text",
+        metavar="PATH",
+        help="plain text file (one text per line) or GLUE task folder (its train.tsv sentences / pairs); "
+        "omitted = no transfer",
+    )
+    for name, kind, text in TRANSFER_OPTIONS:
+        transfer.add_argument(
+            "--attention-transfer-" + name.replace("_", "-"),
+            type=kind,
+            metavar="N" if kind is int else "RATE",
+            default=options.TRANSFER_DEFAULTS[name],
+            help=f"{text} (default: %(default)s)",
+        )
+    parser.add_argument("--head", choices=list(HEADS), help="target head (default: from config.architectures)")
+    parser.add_argument("--revision", help="Hub revision of SRC: branch, tag or commit (default: the main branch)")
+    parser.add_argument(
+        "--trust-remote-code", action="store_true", help="allow modeling code shipped with SRC (a custom checkpoint)"
+    )
+    parser.set_defaults(func=run_convert)
+    return parser
+
+
+def run_convert(args):
+    from nprf_hf.convert import convert_checkpoint
+    from nprf_hf.options import NPRF_FIELDS
+
+    names = [field.name for field in NPRF_FIELDS if field.convert_option] + ["max_position_embeddings"]
+    overrides = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    from_pretrained_kwargs = {}
+    if args.revision:
+        from_pretrained_kwargs["revision"] = args.revision
+    if args.trust_remote_code:
+        from_pretrained_kwargs["trust_remote_code"] = True
+    transfer_texts = None
+    if args.attention_transfer_text is not None:
+        from nprf_hf.transfer import read_transfer_texts
+
+        transfer_texts = read_transfer_texts(args.attention_transfer_text)
+    transfer_options = {name: getattr(args, "attention_transfer_" + name) for name, _, _ in TRANSFER_OPTIONS}
+    report = convert_checkpoint(
+        args.src,
+        args.out,
+        head=args.head,
+        rpe_init=args.rpe_init,
+        calibration_text=args.calibration_text,
+        calibration_blocks=args.calibration_blocks,
+        calibration_block_size=args.calibration_block_size,
+        from_pretrained_kwargs=from_pretrained_kwargs,
+        transfer_texts=transfer_texts,
+        transfer_options=transfer_options,
+        **overrides,
+    )
+    print(report.format())
+    print(f"Saved to {args.out}")
+    return 0
+
+
+def _add_card_arguments(parser):
+    parser.add_argument("model_dir", help="directory of a saved NPRF model")
+    parser.add_argument(
+        "--eval-results", help="JSON of metrics, e.g. the GLUE script's eval_results.json (default: MODEL_DIR/eval_results.json if present)"
+    )
+    parser.add_argument("--no-eval-results", action="store_true", help="write no results even if MODEL_DIR/eval_results.json exists")
+    parser.add_argument("--base-model", help="Hub id of the source checkpoint, e.g. sentence-transformers/all-MiniLM-L6-v2")
+    parser.add_argument("--dataset", action="append", dest="datasets", help="Hub id of a training/eval dataset (repeatable)")
+    parser.add_argument("--task-name", help="GLUE task (sst2, cola, mrpc, ...) or a free task name (default: from the results or config.finetuning_task)")
+    parser.add_argument("--eval-split", help="dataset split of the results (default: validation; MNLI: matched/mismatched)")
+    parser.add_argument("--notes", help="markdown shown under the results (how they were measured)")
+    parser.add_argument("--model-name", help="title and model-index name (default: MODEL_DIR's name)")
+    parser.add_argument("--repo-id", help="Hub repo id used in the usage snippet (default: the model name)")
+    parser.add_argument("--license")
+    parser.add_argument("--language", action="append")
+    parser.add_argument("--tag", action="append", dest="tags", help="extra tag (repeatable)")
+    parser.add_argument("--output", help="where to write the card (default: MODEL_DIR/README.md)")
+    parser.set_defaults(func=run_card)
+    return parser
+
+
+def add_card_parser(subparsers):
+    """Register `nprf-hf card` on the subparsers of the `nprf-hf` parser (its `func` runs it)."""
+    parser = subparsers.add_parser(
+        "card",
+        help="write a Hub model card (README.md) for a saved NPRF model",
+        description="Write MODEL_DIR/README.md: YAML front matter (pipeline_tag, tags, datasets, metrics, base_model, "
+        "model-index from eval_results.json), usage with trust_remote_code=True, NPRF settings, the conversion "
+        "recipe and its limits.",
+    )
+    return _add_card_arguments(parser)
+
+
+def run_card(args):
+    from nprf_hf.modelcard import write_model_card
+
+    eval_results = False if args.no_eval_results else args.eval_results
+    path = write_model_card(
+        args.model_dir,
+        eval_results=eval_results,
+        output_path=args.output,
+        base_model=args.base_model,
+        datasets=args.datasets,
+        task_name=args.task_name,
+        eval_split=args.eval_split,
+        notes=args.notes,
+        model_name=args.model_name,
+        repo_id=args.repo_id,
+        license=args.license,
+        language=args.language,
+        tags=args.tags,
+    )
+    print(f"Wrote {path}")
+    return 0
+
+
+SUBCOMMANDS = (add_convert_parser, add_card_parser)
+
+
+def build_parser():
+    families = _declarations("families").FAMILIES.values()
+    parser = argparse.ArgumentParser(
+        prog="nprf-hf",
+        description="NPRF attention for HuggingFace encoders (" + ", ".join(f.display_name for f in families) + ")",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add_parser in SUBCOMMANDS:
+        add_parser(subparsers)
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, OSError) as error:
+        print(f"nprf-hf {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
