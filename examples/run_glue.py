@@ -47,7 +47,7 @@ try:
 except ImportError:  # running from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from nprf_hf import glue
-from nprf_hf.modelcard import push_nprf_to_hub
+from nprf_hf.modelcard import push_nprf_to_hub, write_nprf_card
 from nprf_hf.transfer import TRANSFER_DEFAULTS
 
 
@@ -356,7 +356,7 @@ def main(argv=None):
             )
     elif training_args.push_to_hub:
         trainer.push_to_hub(**kwargs)
-    elif training_args.do_train and not glue.write_nprf_card(
+    elif training_args.do_train and not write_nprf_card(
         training_args.output_dir, model, info.task_name, model_args.model_name_or_path,
         main_process=trainer.is_world_process_zero(),
     ):

@@ -44,7 +44,7 @@ try:
 except ImportError:  # running from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from nprf_hf import glue
-from nprf_hf.modelcard import push_nprf_to_hub
+from nprf_hf.modelcard import push_nprf_to_hub, write_nprf_card
 from nprf_hf.transfer import TRANSFER_DEFAULTS
 
 
@@ -421,7 +421,7 @@ def main(argv=None):
                     token=args.hub_token, commit_message="End of training",
                 )
             else:
-                glue.write_nprf_card(args.output_dir, unwrapped_model, info.task_name, args.model_name_or_path)
+                write_nprf_card(args.output_dir, unwrapped_model, info.task_name, args.model_name_or_path)
             if args.push_to_hub and not unwrapped_model.config.model_type.startswith("nprf_"):
                 api.upload_folder(
                     repo_id=repo_id,

@@ -14,14 +14,17 @@
 
 import argparse
 import json
+import logging
 import os
 import re
 import shutil
 import string
 import tempfile
 
-
 from .families import HEADS, NPRF_FAMILIES, family_of, position_offset
+
+
+logger = logging.getLogger(__name__)
 
 
 BASE_TAGS = ("nprf", "kernelized-attention", "relative-position", "random-features", "linear-attention", "custom_code")
@@ -422,6 +425,34 @@ def write_model_card(model_dir, eval_results=None, output_path=None, **kwargs):
 # ----------------------------------------------------------------------------------------------
 # Hub
 # ----------------------------------------------------------------------------------------------
+
+
+def write_nprf_card(model_dir, model, task_name, source, main_process=True):
+    """Write the NPRF model card (README.md: NPRF, `trust_remote_code=True`, settings, limits, results from
+    eval_results.json) for a fine-tuned NPRF model in `model_dir`, in place of the Trainer's generic one.
+    `source`: the checkpoint the run started from (recorded as `base_model` when it is a Hub id, not a local
+    path). Returns False for a softmax model (the caller keeps HF's card), True otherwise."""
+    if not model.config.model_type.startswith("nprf_"):
+        return False
+    if main_process:
+        from .checkpoint_files import looks_like_path
+
+        base_model = None if os.path.isdir(source) or looks_like_path(source) or not HUB_ID.match(source) else source
+        results = os.path.join(model_dir, "eval_results.json")
+        # a non-GLUE run's metrics name no dataset: the card then leaves them out rather than guess one
+        eval_results = results if os.path.isfile(results) and _glue_task_or_none(task_name) else False
+        path = write_model_card(model_dir, eval_results=eval_results, task_name=task_name, base_model=base_model)
+        logger.info("Wrote the NPRF model card %s", path)
+    return True
+
+
+def _glue_task_or_none(task_name):
+    from .glue import UsageError, normalize_task_name
+
+    try:
+        return normalize_task_name(task_name) if task_name is not None else None
+    except UsageError:
+        return None
 
 
 def push_nprf_to_hub(
