@@ -688,9 +688,14 @@ class NPRFModelMixin:
         if encoder.rpe_table is not None:
             arguments["rpe_table"] = encoder.rpe_table
             # the shared table's bias, once for all layers; not under reentrant checkpointing, whose recomputed
-            # layers would each backpropagate through that one shared graph
-            if reference is not None and not (self.training and self.is_activation_checkpointing):
-                past = arguments.get("past_key_values")
+            # layers would each backpropagate through that one shared graph, nor for an NPRFCache, whose
+            # decode step needs only the band's coefficients (a [H, 2 Lk - 1] bias would cost O(context))
+            past = arguments.get("past_key_values")
+            if (
+                reference is not None
+                and not (self.training and self.is_activation_checkpointing)
+                and find_nprf_cache(past) is None
+            ):
                 key_length = reference.shape[1] + (past.get_seq_length() if past is not None else 0)
                 causal = bool(getattr(self.config, "is_decoder", False))
                 arguments["rpe_bias"] = relative_position_bias(
