@@ -1,0 +1,128 @@
+"""GLUE-length benchmark: a whole NPRF model against its softmax source (SDPA), side by side in one run.
+
+For each model size (MiniLM: 6 layers, hidden 384, 12 heads; RoBERTa-base: 12 layers, hidden 768, 12
+heads) and each (batch, length) point: a random softmax BERT with SDPA and its NPRF conversion (the same
+weights, `convert_to_nprf`), padded batches (every row a random length between half and all of the
+length, as tokenized GLUE batches are), median time of the forward pass (inference mode) and of a
+training step (forward + backward of the summed outputs), and the ratio NPRF / SDPA. Runs alternate
+between the two models so that drifts of the machine hit both.
+
+    python benchmarks/short_length.py --threads 2 --output benchmarks/results/short_length_cpu.json
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from nprf_hf import convert_to_nprf  # noqa: E402
+
+
+SIZES = {
+    "minilm": dict(num_hidden_layers=6, hidden_size=384, num_attention_heads=12, intermediate_size=1536),
+    "roberta-base": dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12, intermediate_size=3072),
+}
+DEFAULT_OUTPUT = os.path.join(ROOT, "runs", "benchmarks", "short_length.json")
+
+
+def padded_batch(batch, length, vocab_size, seed=0):
+    """input_ids and attention_mask [batch, length]: row lengths drawn in [length / 2, length], the longest = length."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(length // 2, length + 1, (batch,), generator=generator)
+    lengths[0] = length
+    input_ids = torch.randint(5, vocab_size, (batch, length), generator=generator)
+    attention_mask = (torch.arange(length)[None, :] < lengths[:, None]).long()
+    return input_ids * attention_mask, attention_mask
+
+
+def step(model, inputs, train):
+    if not train:
+        with torch.inference_mode():
+            model(**inputs)
+        return
+    model(**inputs).last_hidden_state.sum().backward()
+
+
+def time_pair(models, inputs, train, repeats):
+    """Median seconds of each model, runs alternating (one warm-up each first)."""
+    for model in models.values():
+        model.train(train)  # dropout off below, so train mode changes only what autograd keeps
+        step(model, inputs, train)
+    times = {name: [] for name in models}
+    for _ in range(repeats):
+        for name, model in models.items():
+            start = time.perf_counter()
+            step(model, inputs, train)
+            times[name].append(time.perf_counter() - start)
+            model.zero_grad(set_to_none=True)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES), help="model sizes (default: all)")
+    parser.add_argument("--points", nargs="+", default=["32x128", "8x512"], metavar="BxN",
+                        help="batch x length points (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per model and point (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default: %(default)s)")
+    parser.add_argument("--features", type=int, default=64, help="NPRF random features m (default: %(default)s)")
+    parser.add_argument("--output", default=DEFAULT_OUTPUT, help="JSON path (default: a scratch file under runs/)")
+    args = parser.parse_args(argv)
+    try:
+        points = [tuple(int(v) for v in point.lower().split("x")) for point in args.points]
+    except ValueError:
+        parser.error(f"--points takes BxN pairs such as 32x128, got {args.points}")
+    if any(len(p) != 2 or min(p) < 1 for p in points):
+        parser.error(f"--points takes BxN pairs of positive integers, got {args.points}")
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    torch.set_num_threads(args.threads)
+    from transformers import BertConfig, BertModel
+
+    rows = []
+    for size in args.sizes:
+        longest = max(n for _, n in points)
+        config = BertConfig(**SIZES[size], max_position_embeddings=max(512, longest), hidden_dropout_prob=0.0,
+                            attention_probs_dropout_prob=0.0, attn_implementation="sdpa")
+        torch.manual_seed(0)
+        softmax = BertModel(config)
+        nprf = convert_to_nprf(softmax, num_random_features=args.features)
+        models = {"sdpa": softmax, "nprf": nprf}
+        for batch, length in points:
+            input_ids, attention_mask = padded_batch(batch, length, config.vocab_size)
+            inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+            forward = time_pair(models, inputs, train=False, repeats=args.repeats)
+            training = time_pair(models, inputs, train=True, repeats=args.repeats)
+            row = {
+                "size": size, "batch": batch, "length": length,
+                "forward_s": forward, "train_step_s": training,
+                "forward_nprf_over_sdpa": forward["nprf"] / forward["sdpa"],
+                "train_step_nprf_over_sdpa": training["nprf"] / training["sdpa"],
+            }
+            rows.append(row)
+            print(f"{size:<13} B={batch:<3} n={length:<5} forward sdpa {1e3 * forward['sdpa']:8.1f} ms  nprf "
+                  f"{1e3 * forward['nprf']:8.1f} ms  ratio {row['forward_nprf_over_sdpa']:.2f}   train step sdpa "
+                  f"{1e3 * training['sdpa']:8.1f} ms  nprf {1e3 * training['nprf']:8.1f} ms  ratio "
+                  f"{row['train_step_nprf_over_sdpa']:.2f}", flush=True)
+    result = {
+        "settings": {**vars(args), "torch": torch.__version__, "machine": platform.processor() or platform.machine()},
+        "rows": rows,
+        "command": "python benchmarks/short_length.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    with open(args.output, "w") as handle:
+        json.dump(result, handle, indent=1)
+    print(f"wrote {args.output}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
