@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .checkpoint_files import check_local_path, carry_sentence_transformers_files, write_conversion_report
-from .families import ATTENTION_LAYOUTS, FAMILIES, HEADS, family_of, position_offset
+from .families import FAMILIES, HEADS, family_of, position_offset
 from .functional import t5_relative_position_bucket
 from .options import RPE_INITS
 
@@ -246,7 +246,7 @@ def build_nprf_config(source_config, **overrides):
 def _rpe_tables(model):
     """The RPE bias parameters of an NPRF model: list of (parameter [H, nb], layer index or None if shared)."""
     base = model.base_model
-    shared = getattr(base, ATTENTION_LAYOUTS[base.family.layout].encoder).rpe_table
+    shared = base.layer_stack.rpe_table
     if shared is not None:
         return [(shared, None)]
     return [(attention.rpe_table, attention.layer_idx) for attention in base.nprf_attentions()]

@@ -56,6 +56,11 @@ class AttentionLayout:
     output_projection: str
     output: Optional[str] = None
 
+    @property
+    def projections(self):
+        """The names of the projections the self-attention module itself holds."""
+        return (self.query, self.key, self.value) + ((self.output,) if self.output else ())
+
 
 ATTENTION_LAYOUTS = {
     "bert": AttentionLayout("encoder", "layer", "attention.self", "query", "key", "value", "attention.output.dense"),
@@ -147,7 +152,10 @@ def family_of(model_type):
 
 
 def position_offset(config):
-    """Rows of the absolute position table before the first real position (RoBERTa: padding_idx + 1)."""
-    if family_of(config.model_type).position_offset == "padding_idx":
-        return (1 if config.pad_token_id is None else config.pad_token_id) + 1
+    """Rows of the absolute position table before the first real position (RoBERTa: padding_idx + 1).
+    `config`: a config, or a dict of one (config.json)."""
+    get = config.get if isinstance(config, dict) else lambda name: getattr(config, name, None)
+    if family_of(get("model_type")).position_offset == "padding_idx":
+        pad_token_id = get("pad_token_id")
+        return (1 if pad_token_id is None else pad_token_id) + 1
     return 0

@@ -12,7 +12,6 @@
         -> the command line of `write_model_card` (declared in `cli.py`).
 """
 
-import argparse
 import json
 import logging
 import os
@@ -292,7 +291,7 @@ def _length_limit(config):
         return "No absolute position table (`position_embedding_type: none`): inputs of any length are accepted."
     limit = config.get("max_position_embeddings")
     if family_of(config["model_type"]).position_offset == "padding_idx" and limit is not None:
-        offset = position_offset(argparse.Namespace(model_type=config["model_type"], pad_token_id=config.get("pad_token_id")))
+        offset = position_offset(config)
         limit = f"{limit - offset} (max_position_embeddings {limit} minus padding_idx + 1)"
     return (
         f"Inputs are limited to {limit} tokens (the absolute position table); longer inputs raise a ValueError. "

@@ -186,10 +186,9 @@ class NPRFSelfAttention(nn.Module):
             )
         self.num_attention_heads = config.num_attention_heads
         self.attention_head_size = config.hidden_size // config.num_attention_heads
-        names = (self.layout.query, self.layout.key, self.layout.value) + ((self.layout.output,) if self.layout.output else ())
         if projections is None:
-            projections = {name: nn.Linear(config.hidden_size, config.hidden_size) for name in names}
-        for name in names:
+            projections = {name: nn.Linear(config.hidden_size, config.hidden_size) for name in self.layout.projections}
+        for name in self.layout.projections:
             self.add_module(name, projections[name])
         self.is_causal = is_causal
         self.layer_idx = 0 if layer_idx is None else layer_idx
@@ -220,9 +219,15 @@ class NPRFSelfAttention(nn.Module):
     @classmethod
     def adopt(cls, module, config, layout, layer_idx):
         """The NPRF self-attention that takes over the projections of a family's softmax `module`."""
-        names = (layout.query, layout.key, layout.value) + ((layout.output,) if layout.output else ())
-        projections = {name: getattr(module, name) for name in names}
+        projections = {name: getattr(module, name) for name in layout.projections}
         return cls(config, bool(getattr(config, "is_decoder", False)), layer_idx, layout, projections)
+
+    def bucket_table(self, rpe_table=None):
+        """[H, rpe_num_buckets]: this layer's own table, else the shared one the base model passes."""
+        table = self.rpe_table if self.rpe_table is not None else rpe_table
+        if table is None:
+            raise ValueError("rpe_shared_across_layers=True: the encoder must pass its rpe_table to the self-attention")
+        return table
 
     def logit_scale(self):
         """[H] per-head scale s of the normalized content logits, or None (s = 1, the paper's NPRF)."""
@@ -319,9 +324,7 @@ class NPRFSelfAttention(nn.Module):
             query = F.pad(query, (0, 0, key_length - query_length, 0))
 
         if self.rpe_table is not None or rpe_bias is None or rpe_bias.shape[-1] != 2 * key_length - 1:
-            table = self.rpe_table if self.rpe_table is not None else rpe_table
-            if table is None:
-                raise ValueError("rpe_shared_across_layers=True: the encoder must pass its rpe_table to the self-attention")
+            table = self.bucket_table(rpe_table)
             rpe_bias = relative_position_bias(
                 table, key_length, self.bidirectional, self.config.rpe_num_buckets, self.config.rpe_max_distance
             )
@@ -406,9 +409,7 @@ class NPRFSelfAttention(nn.Module):
                 "output_attentions=True needs every past key, which NPRFCache does not keep: generate with "
                 "cache_implementation='dynamic' (or use_cache=False) to get attention weights"
             )
-        table = self.rpe_table if self.rpe_table is not None else rpe_table
-        if table is None:
-            raise ValueError("rpe_shared_across_layers=True: the encoder must pass its rpe_table to the self-attention")
+        table = self.bucket_table(rpe_table)
         query_length = query.shape[2]
         key_length = cache.get_seq_length(self.layer_idx) + query_length
         key_padding_mask, general_mask = self.mask_forms(attention_mask, query_length, key_length, query.shape[0])
@@ -641,6 +642,11 @@ class NPRFModelMixin:
             )
         return attention_mask, encoder_attention_mask
 
+    @property
+    def layer_stack(self):
+        """The module holding the layers (`encoder`, DistilBERT's `transformer`): the shared table's owner."""
+        return getattr(self, ATTENTION_LAYOUTS[self.family.layout].encoder)
+
     def nprf_attentions(self):
         """The NPRF self-attention of every layer, in order."""
         return [module for module in self.modules() if isinstance(module, NPRFSelfAttention)]
@@ -648,7 +654,7 @@ class NPRFModelMixin:
     def maybe_redraw_projections(self):
         """Redraw every layer's projection each `feature_redraw_interval` training forward passes."""
         interval = self.config.feature_redraw_interval
-        encoder = getattr(self, ATTENTION_LAYOUTS[self.family.layout].encoder)
+        encoder = self.layer_stack
         if not (self.training and interval > 0) or encoder.redraw_suspended:
             return
         encoder.redraw_step += 1
@@ -663,43 +669,40 @@ class NPRFModelMixin:
         arguments = {**bound.pop("kwargs", {}), **bound}
         input_ids, inputs_embeds = arguments.get("input_ids"), arguments.get("inputs_embeds")
         reference = input_ids if input_ids is not None else inputs_embeds
-        attention_mask = arguments.get("attention_mask")
-        if attention_mask is not None and reference is not None:
-            check_model_attention_mask(attention_mask, reference.shape[0])
-            past = arguments.get("past_key_values")
+        attention_mask, past = arguments.get("attention_mask"), arguments.get("past_key_values")
+        causal = bool(getattr(self.config, "is_decoder", False))
+        if reference is not None:
             query_length = reference.shape[1]
             key_length = query_length + (past.get_seq_length() if past is not None else 0)
+        if attention_mask is not None and reference is not None:
+            check_model_attention_mask(attention_mask, reference.shape[0])
             arguments["attention_mask"] = normalize_attention_mask(
-                attention_mask, query_length, key_length, bool(getattr(self.config, "is_decoder", False)),
-                self.config.num_attention_heads,
+                attention_mask, query_length, key_length, causal, self.config.num_attention_heads
             )
         self.maybe_redraw_projections()
-        encoder = getattr(self, ATTENTION_LAYOUTS[self.family.layout].encoder)
         use_cache, output_attentions = arguments.get("use_cache"), arguments.get("output_attentions")
         if (
-            getattr(self.config, "is_decoder", False)
-            and arguments.get("past_key_values") is None
+            causal
+            and past is None
             and (use_cache or (use_cache is None and self.config.use_cache))
             and not (output_attentions or (output_attentions is None and self.config.output_attentions))
             and (attention_mask is None or attention_mask.dim() == 2)
         ):  # instead of HF's growing key/value cache (which attention weights and general 4D masks need)
             cross_attention = arguments.get("encoder_hidden_states") is not None
-            arguments["past_key_values"] = default_decoder_cache(self.config, cross_attention)
-        if encoder.rpe_table is not None:
-            arguments["rpe_table"] = encoder.rpe_table
+            past = arguments["past_key_values"] = default_decoder_cache(self.config, cross_attention)
+        table = self.layer_stack.rpe_table
+        if table is not None:
+            arguments["rpe_table"] = table
             # the shared table's bias, once for all layers; not under reentrant checkpointing, whose recomputed
             # layers would each backpropagate through that one shared graph, nor for an NPRFCache, whose
             # decode step needs only the band's coefficients (a [H, 2 Lk - 1] bias would cost O(context))
-            past = arguments.get("past_key_values")
             if (
                 reference is not None
                 and not (self.training and self.is_activation_checkpointing)
                 and find_nprf_cache(past) is None
             ):
-                key_length = reference.shape[1] + (past.get_seq_length() if past is not None else 0)
-                causal = bool(getattr(self.config, "is_decoder", False))
                 arguments["rpe_bias"] = relative_position_bias(
-                    encoder.rpe_table, key_length, not causal, self.config.rpe_num_buckets, self.config.rpe_max_distance
+                    table, key_length, not causal, self.config.rpe_num_buckets, self.config.rpe_max_distance
                 )
         if self.config.segment_bias and arguments.get("segment_ids") is None:
             arguments["segment_ids"] = segment_ids_from_inputs(self.config, input_ids, arguments.get("token_type_ids"))

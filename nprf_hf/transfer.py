@@ -287,6 +287,7 @@ def attention_transfer(
     generator = torch.Generator().manual_seed(seed)
     eval_sets = [eval_pool[i : i + batch_size] for i in range(0, len(eval_pool), batch_size)]
     recorder = _TeacherRecorder(teacher_layers, _layout(teacher))
+    student_layout = _layout(student)
 
     def teacher_pass(batch):
         with torch.no_grad():
@@ -301,7 +302,7 @@ def attention_transfer(
             segment_ids = segment_ids_from_inputs(student.config, batch["input_ids"], batch.get("token_type_ids"))
         if getattr(student.config, "token_match", False):
             token_ids = batch["input_ids"]
-        return _layer_errors(student_layers, student_encoder, recorder, mask, segment_ids, token_ids, _layout(student))
+        return _layer_errors(student_layers, student_encoder, recorder, mask, segment_ids, token_ids, student_layout)
 
     def evaluate():
         total, count = None, 0
