@@ -566,3 +566,25 @@ def test_fft_length_is_fast_and_sufficient():
             while rest % p == 0:
                 rest //= p
         assert rest == 1
+
+
+@pytest.mark.parametrize("n", [37, 400])
+def test_dense_inference_product_matches_reference_with_any_mask(n):
+    """Without autograd the dense product runs a few heads at a time and cuts every sequence's keys after its
+    last kept one (at n = 400 a group is one head: its weights fill the group's cache budget). Masks with
+    left padding, holes and no key at all give the reference's numbers and the autograd path's."""
+    batch, heads, d, m = 4, 3, 8, 6
+    q, k, v, projection = random_inputs(batch, heads, n, d, m)
+    bias = t5_bias(heads, n, num_buckets=16, max_distance=40)
+    mask = torch.ones(batch, n, dtype=torch.bool)
+    mask[0, : n // 3] = False  # left padding
+    mask[1, 5::4] = False  # holes
+    mask[2] = False  # nothing to attend to
+    mask[3, n // 2 :] = False  # right padding: keys cut at n / 2
+    with torch.no_grad():
+        out = Fn.nprf_attention(q, k, v, bias, projection, mask, algorithm="dense")
+    ref = reference_attention(q, k, v, bias, projection, mask)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-11)
+    assert (out[2] == 0).all()
+    with_grad = Fn.nprf_attention(q, k, v.clone().requires_grad_(True), bias, projection, mask, algorithm="dense")
+    torch.testing.assert_close(out, with_grad.detach(), rtol=1e-12, atol=1e-13)
