@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from .options import ALGORITHMS, FEATURE_MAPS  # declared with the other options (no torch there)
 
@@ -224,6 +225,7 @@ def nprf_attention(
     segment_bias: Optional[torch.Tensor] = None,
     token_ids: Optional[torch.Tensor] = None,
     match_weight: Optional[torch.Tensor] = None,
+    recompute: Optional[bool] = None,
 ):
     """Normalized positive random feature attention with a relative position bias.
 
@@ -251,6 +253,10 @@ def nprf_attention(
             phi_q . phi_k (exp(b_{j-i}) + mu), an exact word-matching term. Linear time: the keys'
             phi_k u^T are summed per (token, segment) group and each query reads the groups of its own
             token in the other segments.
+        recompute: under autograd, keep only the inputs for backward and recompute the features and the
+            products there (activation checkpointing of this function): the [B, H, n, m] features and
+            their padded copies are then not held from forward to backward. None = for the "banded" and
+            "fft" algorithms (long inputs, where they are most of a layer's activations), not for "dense".
     Returns:
         [B, H, n, d_v]. Queries with no key to attend to give zeros.
     """
@@ -259,12 +265,28 @@ def nprf_attention(
     _check_segments(segment_ids, segment_bias, batch, heads, n)
     _check_matches(token_ids, match_weight, segment_ids, batch, heads, n, causal)
     dtype = _compute_dtype(query.dtype)
-    mask = None if key_padding_mask is None else key_padding_mask.to(device=query.device, dtype=dtype)
-
-    value = value.to(dtype)
     bias = _masked_bias(rpe_bias.to(dtype), n, causal)
-    c = torch.exp(bias - bias.amax(dim=-1, keepdim=True).detach())  # ratios are shift-invariant; c <= 1
     algorithm, band_width = _resolve_algorithm(algorithm, bias, n, band_width, projection.shape[-2], value.shape[-1] + 1)
+    inputs = (query, key, value, bias, projection, key_padding_mask, logit_scale, segment_ids, segment_bias, token_ids, match_weight)
+    if recompute is None:
+        recompute = algorithm in ("banded", "fft")
+    if recompute and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+        # no random numbers inside: the recomputation repeats the forward exactly without saving RNG state
+        return checkpoint(_nprf_attention, *inputs, algorithm, band_width, causal, use_reentrant=False, preserve_rng_state=False)
+    return _nprf_attention(*inputs, algorithm, band_width, causal)
+
+
+def _nprf_attention(
+    query, key, value, bias, projection, key_padding_mask, logit_scale, segment_ids, segment_bias, token_ids, match_weight,
+    algorithm, band_width, causal,
+):
+    """`nprf_attention` once its inputs are checked and the algorithm chosen; `bias` [H, 2n - 1] has -inf for
+    the future when causal."""
+    batch, heads, n, _ = query.shape
+    dtype = _compute_dtype(query.dtype)
+    mask = None if key_padding_mask is None else key_padding_mask.to(device=query.device, dtype=dtype)
+    value = value.to(dtype)
+    c = torch.exp(bias - bias.amax(dim=-1, keepdim=True).detach())  # ratios are shift-invariant; c <= 1
     # Without autograd the dense product runs head by head in cache and skips the keys after the last kept one
     # (a host sync, hence eager only).
     inference = not torch.is_grad_enabled() or not any(

@@ -56,6 +56,7 @@ from transformers.utils import logging
 from .cache_nprf import NPRFGenerationMixin, default_decoder_cache, find_nprf_cache
 from .configuration_nprf import NPRF_CONFIG_CLASSES, validate_nprf_fields
 from .families import ATTENTION_LAYOUTS, FAMILIES, HEADS, family_of
+from .options import RECOMPUTE_MODES
 from .functional import (
     draw_projection,
     nprf_attention,
@@ -377,6 +378,7 @@ class NPRFSelfAttention(nn.Module):
                 causal=self.is_causal,
                 band_width=self.band_width,
                 logit_scale=logit_scale,
+                recompute=RECOMPUTE_MODES[self.config.attention_recompute],
                 **segments,
             )[:, :, first:]
         else:

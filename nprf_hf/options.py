@@ -12,6 +12,8 @@ from typing import Callable, Optional
 ALGORITHMS = ("auto", "dense", "fft", "banded")  # exact algorithms of `functional.nprf_attention` (+ auto)
 FEATURE_MAPS = ("orf", "prf")
 ATTENTION_ALGORITHMS = ALGORITHMS
+# attention_recompute -> `nprf_attention(recompute=...)`: auto (None) = the long-input algorithms only
+RECOMPUTE_MODES = {"auto": None, "always": True, "never": False}
 RPE_INITS = ("zeros", "calibrated")  # how conversion starts the RPE table
 # `attention_transfer`'s defaults for what the CLI and the GLUE scripts expose
 TRANSFER_DEFAULTS = {
@@ -87,6 +89,12 @@ NPRF_FIELDS = (
     NPRFField(
         "attention_algorithm", str, "auto", "exact algorithm of the Toeplitz product; auto picks by length",
         choices=ATTENTION_ALGORITHMS,
+    ),
+    NPRFField(
+        "attention_recompute", str, "auto",
+        "training: recompute the features and the Toeplitz product in backward instead of keeping them "
+        "(less memory, one more attention forward); auto = for banded / fft (long inputs), not dense",
+        choices=tuple(RECOMPUTE_MODES),
     ),
     NPRFField(
         "position_embedding_type", str, "absolute",

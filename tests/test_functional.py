@@ -588,3 +588,65 @@ def test_dense_inference_product_matches_reference_with_any_mask(n):
     assert (out[2] == 0).all()
     with_grad = Fn.nprf_attention(q, k, v.clone().requires_grad_(True), bias, projection, mask, algorithm="dense")
     torch.testing.assert_close(out, with_grad.detach(), rtol=1e-12, atol=1e-13)
+
+
+def _held_bytes(function, *inputs):
+    """Bytes of the tensors autograd saves for backward while `function()` runs, counted once per storage,
+    leaving out the storages of `inputs` (alive anyway); -> (result, bytes)."""
+    storages = {}
+
+    def pack(tensor):
+        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        result = function()
+    for tensor in inputs:
+        storages.pop(tensor.untyped_storage().data_ptr(), None)
+    return result, sum(storages.values())
+
+
+@pytest.mark.parametrize("algorithm", ["dense", "fft", "banded"])
+def test_recompute_gives_the_same_values_and_gradients_and_keeps_no_features(algorithm, small_chunks):
+    """recompute=True keeps only the inputs from forward to backward (the features and the products are
+    computed again in backward) and changes no number: values and every gradient equal recompute=False's."""
+    batch, heads, n, d, m = 2, 3, 97, 8, 16
+    q, k, v = (torch.randn(batch, n, heads, d, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    table = torch.randn(heads, 16, dtype=torch.float64, requires_grad=True)
+    scale = torch.rand(heads, dtype=torch.float64).add(0.5).requires_grad_(True)
+    segment_bias = torch.randn(heads, dtype=torch.float64, requires_grad=True)
+    projection = Fn.draw_projection(m, d, "orf", num_heads=heads, dtype=torch.float64)
+    mask = random_padding(batch, n)
+    segments = random_segments(batch, n)
+    feature_bytes = batch * heads * n * m * 8
+    results = {}
+    for recompute in (False, True):
+        def run():
+            bias = Fn.relative_position_bias(table, n, True, 16, 40)
+            return Fn.nprf_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bias, projection, mask, algorithm=algorithm,
+                band_width=Fn.rpe_band_width(16, 40), logit_scale=scale, segment_ids=segments,
+                segment_bias=segment_bias, recompute=recompute,
+            )
+        out, held = _held_bytes(run, q, k, v)
+        # recompute: the [H, 2n - 1] bias and [H] vectors only; otherwise features and products
+        assert held < feature_bytes / 4 if recompute else held > 2 * feature_bytes, (recompute, held, feature_bytes)
+        grads = torch.autograd.grad((out * torch.linspace(-1, 1, d, dtype=torch.float64)).sum(), (q, k, v, table, scale, segment_bias))
+        results[recompute] = (out.detach(), grads)
+    torch.testing.assert_close(results[True][0], results[False][0], rtol=0, atol=0)
+    for got, want in zip(results[True][1], results[False][1]):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13)
+
+
+def test_recompute_auto_is_for_the_long_input_algorithms():
+    """recompute=None (the default): the banded and fft products recompute in backward, dense keeps its weights."""
+    batch, heads, n, d, m = 1, 2, 700, 8, 32
+    q, k, v, projection = random_inputs(batch, heads, n, d, m)
+    q.requires_grad_(True)
+    bias = t5_bias(heads, n)
+    for algorithm, recomputes in (("banded", True), ("fft", True), ("dense", False)):
+        _, held = _held_bytes(
+            lambda: Fn.nprf_attention(q, k, v, bias, projection, algorithm=algorithm, band_width=Fn.rpe_band_width()),
+            q, k, v, bias, projection,
+        )
+        assert (held < batch * heads * n * m * 8 / 4) == recomputes, (algorithm, held)

@@ -407,6 +407,29 @@ def test_gradient_checkpointing_gives_the_same_gradients(use_reentrant):
         assert torch.allclose(dict(model.named_parameters())[name].grad, grad, atol=1e-6), name
 
 
+@pytest.mark.parametrize("checkpointing", [None, True, False])
+def test_attention_recompute_gives_the_same_gradients(checkpointing):
+    """attention_recompute="always" (what auto does for banded / fft) changes no gradient, also inside HF's
+    activation checkpointing (reentrant or not), where the attention is then recomputed twice."""
+    config = tiny_config(attention_algorithm="banded", rpe_num_buckets=8, rpe_max_distance=12, max_position_embeddings=80)
+    inputs = {**model_inputs(NPRFBertForSequenceClassification, length=70), "labels": torch.tensor([0, 1])}
+    grads = {}
+    for mode in ("never", "always"):
+        torch.manual_seed(0)
+        model = NPRFBertForSequenceClassification(NPRFBertConfig(**{**config.to_dict(), "attention_recompute": mode}))
+        randomize_rpe(model)
+        model.train()
+        if checkpointing is not None:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": checkpointing})
+        model(**inputs).loss.backward()
+        grads[mode] = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    assert grads["never"].keys() == grads["always"].keys() and any("rpe_table" in name for name in grads["never"])
+    for name, grad in grads["never"].items():
+        torch.testing.assert_close(grads["always"][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    with pytest.raises(ValueError, match="attention_recompute must be one of"):
+        NPRFBertConfig(**{**TINY, "attention_recompute": "sometimes"})
+
+
 def test_autocast_bf16_and_dtype_casts():
     torch.manual_seed(0)
     model = NPRFBertForSequenceClassification(tiny_config()).eval()
