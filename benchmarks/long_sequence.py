@@ -10,6 +10,8 @@ one sequence of n tokens. For every variant and n it measures
 Variants:
 
 * ``nprf``: `NPRFRobertaModel` (`position_embedding_type="none"`, T5 relative buckets);
+* ``nprf-keep`` (not run by default): the same with `attention_recompute="never"`, i.e. the attention's
+  features kept from forward to backward instead of recomputed there (the default before issue 15);
 * ``sdpa`` / ``eager``: `RobertaModel` with its absolute position table extended to the longest n;
 * ``floor``: the same `RobertaModel` with every token attending only to itself (the identity map
   on V; Q, K and V projections stay in forward and backward). Projections, feed-forward,
@@ -63,7 +65,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nprf_hf.functional import ALGORITHMS  # noqa: E402
 
 
-VARIANTS = ("nprf", "sdpa", "eager", "floor")
+VARIANTS = ("nprf", "sdpa", "eager", "floor", "nprf-keep")
+DEFAULT_VARIANTS = VARIANTS[:4]
 MODES = ("forward", "train")
 FLOOR_ATTENTION = "nprf_benchmark_floor"
 # a scratch folder (git-ignored): a trial run must not overwrite the README's committed plot; --output publishes
@@ -94,11 +97,11 @@ def build_model(variant, args, max_length):
         intermediate_size=4 * args.hidden_size,
         attention_probs_dropout_prob=0.0,
     )
-    if variant == "nprf":
+    if variant in ("nprf", "nprf-keep"):
         from nprf_hf.configuration_nprf import NPRFRobertaConfig
         from nprf_hf.modeling_nprf import NPRFRobertaModel
 
-        extra = {}
+        extra = {"attention_recompute": "never"} if variant == "nprf-keep" else {}
         if args.num_features is not None:
             extra["num_random_features"] = args.num_features
         if args.algorithm is not None:
@@ -335,10 +338,11 @@ def _cell(result, key="time_s", scale=1.0, fmt="{:.3f}"):
     return fmt.format(result[key] * scale)
 
 
-def _ratio(a, b):
-    if a is None or b is None or a["status"] != "ok" or b["status"] != "ok" or a["time_s"] <= 0:
+def _ratio(a, b, key="time_s"):
+    """b's time (or `key`) divided by a's."""
+    if a is None or b is None or a["status"] != "ok" or b["status"] != "ok" or a[key] <= 0:
         return "-"
-    return f"{b['time_s'] / a['time_s']:.2f}x"
+    return f"{b[key] / a[key]:.2f}x"
 
 
 def summary_table(results, variants, lengths):
@@ -352,7 +356,12 @@ def summary_table(results, variants, lengths):
             header += [f"{v}/nprf" for v in variants if v in ("sdpa", "eager")]
             if "floor" in variants:
                 header.append("nprf/floor")
+        keep = "nprf" in variants and "nprf-keep" in variants
+        if keep:
+            header.append("nprf/nprf-keep")
         header += [f"{v} MiB" for v in variants]
+        if "nprf" in variants:
+            header += [f"nprf/{v} MiB" for v in variants if v in ("sdpa", "nprf-keep")]
         rows = []
         for n in lengths:
             get = lambda v: index.get((v, mode, n))  # noqa: E731
@@ -361,7 +370,11 @@ def summary_table(results, variants, lengths):
                 row += [_ratio(get("nprf"), get(v)) for v in variants if v in ("sdpa", "eager")]
                 if "floor" in variants:
                     row.append(_ratio(get("floor"), get("nprf")))
+            if keep:
+                row.append(_ratio(get("nprf-keep"), get("nprf")))
             row += [_cell(get(v), "peak_memory_bytes", 2**-20, "{:.0f}") for v in variants]
+            if "nprf" in variants:
+                row += [_ratio(get(v), get("nprf"), "peak_memory_bytes") for v in variants if v in ("sdpa", "nprf-keep")]
             rows.append(row)
         widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
         lines.append(f"== {title} ==")
@@ -374,8 +387,9 @@ def summary_table(results, variants, lengths):
     return "\n".join(lines)
 
 
-COLORS = {"nprf": "tab:red", "sdpa": "tab:blue", "eager": "tab:green", "floor": "tab:gray"}
-LABELS = {"nprf": "NPRF + RPE", "sdpa": "RoBERTa SDPA", "eager": "RoBERTa eager", "floor": "floor (no attention)"}
+COLORS = {"nprf": "tab:red", "sdpa": "tab:blue", "eager": "tab:green", "floor": "tab:gray", "nprf-keep": "tab:orange"}
+LABELS = {"nprf": "NPRF + RPE", "sdpa": "RoBERTa SDPA", "eager": "RoBERTa eager", "floor": "floor (no attention)",
+          "nprf-keep": "NPRF, features kept for backward"}
 
 
 def plot(results, meta, path):
@@ -430,9 +444,9 @@ def parse_args(argv=None):
     parser.add_argument("--num-layers", type=int, default=12,
                         help="encoder layers (times and ratios hold per layer) (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default: %(default)s)")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS,
-                        help="models to time; floor = the same RoBERTa with attention replaced by the identity "
-                        "(default: all)")
+    parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=VARIANTS,
+                        help="models to time; floor = the same RoBERTa with attention replaced by the identity; "
+                        "nprf-keep = NPRF with attention_recompute='never' (default: %(default)s)")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
                         help="forward: inference forward pass; train: forward + backward (default: both)")
     parser.add_argument("--repeats", type=int, default=2,

@@ -40,6 +40,9 @@ AUTO_FFT_MIN_LENGTH = 8192
 # Bytes of n x n weights the dense inference product scales and reads in one group: they stay in a
 # core's L2 cache (2 MiB here) between the two matmuls instead of going to memory and back.
 DENSE_GROUP_BYTES = 1 << 20
+# Recomputing attention (`recompute=True`) checkpoints groups of heads whose [B, h, n, m] features take at most
+# this many bytes: the backward pass then rebuilds one group's features and products at a time.
+RECOMPUTE_GROUP_BYTES = 16 << 20
 # Guard of the L2 normalization (as F.normalize): zero rows stay zero.
 NORM_EPS = 1e-12
 
@@ -270,10 +273,29 @@ def nprf_attention(
     inputs = (query, key, value, bias, projection, key_padding_mask, logit_scale, segment_ids, segment_bias, token_ids, match_weight)
     if recompute is None:
         recompute = algorithm in ("banded", "fft")
-    if recompute and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
-        # no random numbers inside: the recomputation repeats the forward exactly without saving RNG state
-        return checkpoint(_nprf_attention, *inputs, algorithm, band_width, causal, use_reentrant=False, preserve_rng_state=False)
-    return _nprf_attention(*inputs, algorithm, band_width, causal)
+    if not (recompute and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)):
+        return _nprf_attention(*inputs, algorithm, band_width, causal)
+    # Heads are independent: one checkpoint per group of heads, so that backward holds one group's rebuilt
+    # features and products at a time. No random numbers inside: the recomputation repeats the forward
+    # exactly without saving RNG state.
+    group = max(1, RECOMPUTE_GROUP_BYTES // (batch * n * projection.shape[-2] * torch.finfo(dtype).bits // 8))
+    parts = []
+    for first in range(0, heads, group):
+        part = _head_slice(inputs, slice(first, min(first + group, heads)))
+        parts.append(checkpoint(_nprf_attention, *part, algorithm, band_width, causal, use_reentrant=False, preserve_rng_state=False))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def _head_slice(inputs, heads_slice):
+    """`nprf_attention`'s tensor inputs (query, key, value, bias, projection, ...) for a slice of the heads:
+    the per-head tensors are sliced on their head dim, the others (masks, segment / token ids) kept."""
+    query, key, value, bias, projection, mask, logit_scale, segment_ids, segment_bias, token_ids, match_weight = inputs
+    per_head = lambda t: None if t is None else t[heads_slice]  # noqa: E731  [H, ...] tensors
+    return (
+        query[:, heads_slice], key[:, heads_slice], value[:, heads_slice], bias[heads_slice],
+        projection[heads_slice] if projection.dim() == 3 else projection, mask, per_head(logit_scale), segment_ids,
+        per_head(segment_bias), token_ids, per_head(match_weight),
+    )
 
 
 def _nprf_attention(
