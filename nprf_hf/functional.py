@@ -257,9 +257,10 @@ def nprf_attention(
             phi_k u^T are summed per (token, segment) group and each query reads the groups of its own
             token in the other segments.
         recompute: under autograd, keep only the inputs for backward and recompute the features and the
-            products there (activation checkpointing of this function): the [B, H, n, m] features and
-            their padded copies are then not held from forward to backward. None = for the "banded" and
-            "fft" algorithms (long inputs, where they are most of a layer's activations), not for "dense".
+            products there (activation checkpointing of this function, a group of heads at a time): the
+            [B, H, n, m] features and their padded copies are then not held from forward to backward.
+            None = for the "banded" and "fft" algorithms (long inputs, where they are most of a layer's
+            activations), not for "dense". Ignored under torch.compile.
     Returns:
         [B, H, n, d_v]. Queries with no key to attend to give zeros.
     """
@@ -273,7 +274,13 @@ def nprf_attention(
     inputs = (query, key, value, bias, projection, key_padding_mask, logit_scale, segment_ids, segment_bias, token_ids, match_weight)
     if recompute is None:
         recompute = algorithm in ("banded", "fft")
-    if not (recompute and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)):
+    # (not under torch.compile, whose partitioner decides itself what backward recomputes)
+    if not (
+        recompute
+        and torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+        and any(t is not None and t.requires_grad for t in inputs)
+    ):
         return _nprf_attention(*inputs, algorithm, band_width, causal)
     # Heads are independent: one checkpoint per group of heads, so that backward holds one group's rebuilt
     # features and products at a time. No random numbers inside: the recomputation repeats the forward
