@@ -40,9 +40,6 @@ AUTO_FFT_MIN_LENGTH = 8192
 # Bytes of n x n weights the dense inference product scales and reads in one group: they stay in a
 # core's L2 cache (2 MiB here) between the two matmuls instead of going to memory and back.
 DENSE_GROUP_BYTES = 1 << 20
-# Recomputing attention (`recompute=True`) checkpoints groups of heads whose [B, h, n, m] features take at most
-# this many bytes: the backward pass then rebuilds one group's features and products at a time.
-RECOMPUTE_GROUP_BYTES = 16 << 20
 # Guard of the L2 normalization (as F.normalize): zero rows stay zero.
 NORM_EPS = 1e-12
 
@@ -98,7 +95,12 @@ def relative_position_bias(table, seq_len, bidirectional=True, num_buckets=32, m
     if table.dim() != 2 or table.shape[-1] != num_buckets:
         raise ValueError(f"table must be [num_heads, num_buckets={num_buckets}], got {tuple(table.shape)}")
     r = torch.arange(-(seq_len - 1), seq_len, device=table.device)
-    return table[:, t5_relative_position_bucket(r, bidirectional, num_buckets, max_distance)]
+    buckets = t5_relative_position_bucket(r, bidirectional, num_buckets, max_distance)
+    if torch.compiler.is_compiling():
+        # The same values through a one-hot matmul, whose backward is a matmul too: inductor (torch 2.13, CPU)
+        # can generate the gather's scatter-add backward with wrong indices, writing out of bounds (see `_diagonals`).
+        return table @ F.one_hot(buckets, num_buckets).to(table.dtype).t()
+    return table[:, buckets]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,8 +178,9 @@ def _normalized_features(x, projection, logit_scale=None, head_major=False):
         torch.mul(x.transpose(0, 1), inverse.transpose(0, 1), out=scaled)
         wx = torch.bmm(scaled.view(heads, batch * n, d), projection.transpose(-1, -2)).view(heads, batch, n, num_features)
         return wx.sub_(shift.transpose(0, 1)).exp_().transpose(0, 1)
-    # W (x / |x|) = (W x) / |x|: the normalization is one in-place scaling of the exponent
-    return _project(x, projection).mul_(inverse).sub_(shift).exp_()
+    # x_hat first, not (W x) / |x|: in training the product's backward then needs only x (the projection's
+    # output, kept anyway) and not a copy of W x; and with d <= m it is the smaller tensor to scale.
+    return _project(x * inverse, projection).sub_(shift).exp_()
 
 
 def _row_norms(x):
@@ -229,6 +232,7 @@ def nprf_attention(
     token_ids: Optional[torch.Tensor] = None,
     match_weight: Optional[torch.Tensor] = None,
     recompute: Optional[bool] = None,
+    num_segments: Optional[int] = None,
 ):
     """Normalized positive random feature attention with a relative position bias.
 
@@ -257,10 +261,12 @@ def nprf_attention(
             phi_k u^T are summed per (token, segment) group and each query reads the groups of its own
             token in the other segments.
         recompute: under autograd, keep only the inputs for backward and recompute the features and the
-            products there (activation checkpointing of this function, a group of heads at a time): the
-            [B, H, n, m] features and their padded copies are then not held from forward to backward.
+            products there (activation checkpointing of this function): the [B, H, n, m] features and their padded copies are then not held from forward to backward.
             None = for the "banded" and "fft" algorithms (long inputs, where they are most of a layer's
             activations), not for "dense". Ignored under torch.compile.
+        num_segments: None or S, when every segment id is known to lie in [0, S) (e.g. token types below
+            `type_vocab_size`). Only read under torch.compile, where the segments present cannot be read
+            on the host: one product per possible segment then (an absent segment adds exact zeros).
     Returns:
         [B, H, n, d_v]. Queries with no key to attend to give zeros.
     """
@@ -281,33 +287,16 @@ def nprf_attention(
         and not torch.compiler.is_compiling()
         and any(t is not None and t.requires_grad for t in inputs)
     ):
-        return _nprf_attention(*inputs, algorithm, band_width, causal)
-    # Heads are independent: one checkpoint per group of heads, so that backward holds one group's rebuilt
-    # features and products at a time. No random numbers inside: the recomputation repeats the forward
-    # exactly without saving RNG state.
-    group = max(1, RECOMPUTE_GROUP_BYTES // (batch * n * projection.shape[-2] * torch.finfo(dtype).bits // 8))
-    parts = []
-    for first in range(0, heads, group):
-        part = _head_slice(inputs, slice(first, min(first + group, heads)))
-        parts.append(checkpoint(_nprf_attention, *part, algorithm, band_width, causal, use_reentrant=False, preserve_rng_state=False))
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-
-
-def _head_slice(inputs, heads_slice):
-    """`nprf_attention`'s tensor inputs (query, key, value, bias, projection, ...) for a slice of the heads:
-    the per-head tensors are sliced on their head dim, the others (masks, segment / token ids) kept."""
-    query, key, value, bias, projection, mask, logit_scale, segment_ids, segment_bias, token_ids, match_weight = inputs
-    per_head = lambda t: None if t is None else t[heads_slice]  # noqa: E731  [H, ...] tensors
-    return (
-        query[:, heads_slice], key[:, heads_slice], value[:, heads_slice], bias[heads_slice],
-        projection[heads_slice] if projection.dim() == 3 else projection, mask, per_head(logit_scale), segment_ids,
-        per_head(segment_bias), token_ids, per_head(match_weight),
+        return _nprf_attention(*inputs, algorithm, band_width, causal, num_segments)
+    # No random numbers inside: the recomputation repeats the forward exactly without saving RNG state.
+    return checkpoint(
+        _nprf_attention, *inputs, algorithm, band_width, causal, num_segments, use_reentrant=False, preserve_rng_state=False
     )
 
 
 def _nprf_attention(
     query, key, value, bias, projection, key_padding_mask, logit_scale, segment_ids, segment_bias, token_ids, match_weight,
-    algorithm, band_width, causal,
+    algorithm, band_width, causal, num_segments,
 ):
     """`nprf_attention` once its inputs are checked and the algorithm chosen; `bias` [H, 2n - 1] has -inf for
     the future when causal."""
@@ -339,7 +328,8 @@ def _nprf_attention(
     if segment_ids is None:
         out = toeplitz_product(phi_k)
     else:
-        out = _segmented_product(toeplitz_product, phi_k, segment_ids.to(query.device), segment_bias.to(dtype))
+        segment_ids = segment_ids.to(query.device)
+        out = _segmented_product(toeplitz_product, phi_k, segment_ids, segment_bias.to(dtype), num_segments)
     if token_ids is not None:
         u = _values_and_ones(value) if u is None else u
         match = _match_product(phi_q, phi_k, u, token_ids.to(query.device), segment_ids.to(query.device), algorithm)
@@ -460,7 +450,11 @@ def _fft_toeplitz_attention(phi_q, phi_k, u, c):
     zeros = c.new_zeros(c.shape[0], length - (2 * n - 1))
     kernel = torch.cat([c[:, :n].flip(-1), zeros, c[:, n:].flip(-1)], dim=-1)
     kernel_f = torch.fft.rfft(kernel, n=length)  # [H, length // 2 + 1]
-    if not torch.is_grad_enabled() or not any(t.requires_grad for t in (phi_q, phi_k, u, kernel_f)):
+    # The inference path writes into strided `out=` views, which dynamo cannot trace; compiled, the per-head
+    # path below is traced instead (inductor plans its buffers itself).
+    if not torch.compiler.is_compiling() and (
+        not torch.is_grad_enabled() or not any(t.requires_grad for t in (phi_q, phi_k, u, kernel_f))
+    ):
         return _fft_toeplitz_inference(phi_q, phi_k, u, kernel_f, length)
     heads = []
     for h in range(phi_q.shape[1]):
@@ -519,16 +513,63 @@ def _banded_toeplitz_attention(phi_q, phi_k, value, c, band_width, causal):
 
     # Near part. Query a and window key w are at distance r = w - R s - a; one [H, s, window]
     # coefficient block serves every chunk (clamped entries only ever meet zero keys).
-    offsets = torch.arange(window, device=c.device)[None, :] - reach * chunk - torch.arange(chunk, device=c.device)[:, None]
-    coefficients = c[:, (offsets + n - 1).clamp(0, 2 * n - 2)]
-    out = _BandWindowProduct.apply(q_chunks, k_rows, u_rows, coefficients)
+    # The autograd.Functions loop over groups of chunks and write into strided `out=` views, which dynamo
+    # cannot trace (and would unroll per chunk); compiled, the same products are traced as whole-tensor ops,
+    # and the block is built without a gather (`_diagonals`): c extended by its edge values is c clamped.
+    compiling = torch.compiler.is_compiling()
+    if compiling:
+        edge = (reach + 1) * chunk
+        extended = torch.cat([c[:, :1].expand(-1, edge), c, c[:, -1:].expand(-1, edge)], dim=-1)
+        start = n - (reach + 1) * chunk + edge
+        coefficients = _diagonals(extended[:, start : start + chunk + window - 1], chunk, window)
+        out = _band_window_product(q_chunks, k_rows, u_rows, coefficients)
+    else:
+        offsets = torch.arange(window, device=c.device)[None, :] - reach * chunk - torch.arange(chunk, device=c.device)[:, None]
+        coefficients = c[:, (offsets + n - 1).clamp(0, 2 * n - 2)]
+        out = _BandWindowProduct.apply(q_chunks, k_rows, u_rows, coefficients)
 
     # Far part: chunk k gets c_far^- times the states of chunks <= k-R-1 (and c_far^+ times those >= k+R+1).
     states = torch.bmm(k_rows.view(-1, chunk, m).transpose(-1, -2), u_rows.view(-1, chunk, e))
     states = states.view(batch, heads, -1, m * e)  # [B, H, R + chunks (+ R), m e], the padding chunks hold zeros
-    far = _FarStates.apply(states, c[:, 0], None if causal else c[:, -1], num_chunks, reach)
+    far_states = _far_states if compiling else _FarStates.apply
+    far = far_states(states, c[:, 0], None if causal else c[:, -1], num_chunks, reach)
     out = out.baddbmm_(q_chunks, far.view(-1, m, e))
     return out.view(batch, heads, padded, e)[:, :, :n]
+
+
+def _band_window_product(q, k_rows, u_rows, coefficients):
+    """`_BandWindowProduct` in whole-tensor ops (for torch.compile; autograd derives the backward): all
+    chunks' [s, window] weights at once instead of a group at a time."""
+    heads, chunk, window = coefficients.shape
+    sequences = k_rows.shape[0]
+    k_windows = _chunk_windows(k_rows, chunk, window // chunk)  # [B*H, chunks, window, m]
+    u_windows = _chunk_windows(u_rows, chunk, window // chunk)  # [B*H, chunks, window, e]
+    weights = q.view(sequences, -1, chunk, q.shape[-1]) @ k_windows.transpose(-1, -2)  # [B*H, chunks, s, window]
+    weights = weights.view(-1, heads, *weights.shape[1:]) * coefficients[:, None]  # sequence b*H + h has head h
+    return (weights.view(sequences, *weights.shape[2:]) @ u_windows).view(q.shape[0], chunk, u_rows.shape[-1])
+
+
+def _chunk_windows(rows, chunk, width):
+    """[B*H, chunks, width * s, f]: chunk k's window, rows k s .. (k + width) s of rows [B*H, (chunks + width - 1) s,
+    f], as whole chunks side by side. Not `unfold`: inductor (torch 2.13, CPU, more than one thread) computes the
+    backward of overlapping windows wrong."""
+    sequences, length, features = rows.shape
+    chunks = rows.view(sequences, length // chunk, chunk, features)
+    count = length // chunk - width + 1
+    return torch.cat([chunks[:, offset : offset + count] for offset in range(width)], dim=2)
+
+
+def _far_states(states, c_before, c_after, num_chunks, reach):
+    """`_FarStates` in whole-tensor ops (for torch.compile): prefix and suffix sums through cumsum."""
+    heads = states.shape[1]
+    # before[k] = sum_{j <= k-1} states[j]
+    before = F.pad(states[:, :, : num_chunks - 1].cumsum(2), (0, 0, 1, 0))
+    far = before * c_before.view(1, heads, 1, 1)
+    if c_after is not None:
+        # after[k] = sum_{j >= k+2R+1} states[j]; nothing for the last chunk
+        tail = states[:, :, 2 * reach + 1 :].flip(2).cumsum(2).flip(2)
+        far = far + F.pad(tail, (0, 0, 0, 1)) * c_after.view(1, heads, 1, 1)
+    return far
 
 
 class _BandWindowProduct(torch.autograd.Function):
@@ -704,8 +745,21 @@ def _values_and_ones(value, before=0, after=0):
 
 def _toeplitz(c, n):
     """[H, 2n-1] -> [H, n, n] with entry (i, j) = c_{j-i}."""
+    if torch.compiler.is_compiling():
+        return _diagonals(c, n, n)
     positions = torch.arange(n, device=c.device)
     return c[:, positions[None, :] - positions[:, None] + n - 1]
+
+
+def _diagonals(sequence, rows, cols):
+    """[..., rows, cols] with entry (a, w) = sequence[..., w - a + rows - 1], from sequence [..., rows + cols - 1],
+    by reshapes alone: the rows, each padded by one element and laid end to end, are read back one element short,
+    so row a starts a elements later. For torch.compile: the backward of a gather is a scatter-add, which
+    inductor (torch 2.13, CPU) can fuse with its neighbours into wrong results; the backward of this is sums."""
+    batch, length = sequence.shape[:-1], sequence.shape[-1]
+    padded = F.pad(sequence.unsqueeze(-2).expand(*batch, rows, length), (0, 1))
+    skewed = padded.reshape(*batch, rows * (length + 1))[..., : rows * length].view(*batch, rows, length)
+    return skewed[..., rows - 1 :]
 
 
 def _infer_band_width(bias, n):
@@ -787,7 +841,11 @@ def _check_inputs(query, key, value, rpe_bias, projection, key_padding_mask, alg
             raise ValueError(
                 f"key_padding_mask must be [B={batch}, n={n}] (True/1 = keep), got {tuple(key_padding_mask.shape)}"
             )
-        if key_padding_mask.dtype != torch.bool and not bool(((key_padding_mask == 0) | (key_padding_mask == 1)).all()):
+        if (
+            key_padding_mask.dtype != torch.bool
+            and not torch.compiler.is_compiling()  # a host sync: checked in eager mode only
+            and not bool(((key_padding_mask == 0) | (key_padding_mask == 1)).all())
+        ):
             raise ValueError("key_padding_mask must be boolean or hold only 0/1 (1 = keep); got other values")
     return batch, heads, n, head_dim
 
@@ -798,12 +856,17 @@ def _segment_factors(segment_bias):
     return torch.exp(-top), torch.exp(segment_bias - top)
 
 
-def _segmented_product(toeplitz_product, phi_k, segment_ids, segment_bias):
+def _segmented_product(toeplitz_product, phi_k, segment_ids, segment_bias, num_segments=None):
     """sum_j c_{j-i} exp(beta [s_i != s_j]) (phi_q_i . phi_k_j) u_j: one Toeplitz product per key segment
-    (keys of the other segments zeroed), each weighted per query by exp(0) or exp(beta)."""
+    (keys of the other segments zeroed), each weighted per query by exp(0) or exp(beta). Segments: those
+    present (a host sync), or under torch.compile all of range(num_segments) when given."""
     same, other = _segment_factors(segment_bias)
     out = None
-    for segment in torch.unique(segment_ids).tolist():
+    if num_segments is not None and torch.compiler.is_compiling():
+        segments = range(num_segments)
+    else:
+        segments = torch.unique(segment_ids).tolist()
+    for segment in segments:
         in_segment = segment_ids == segment  # [B, n]
         part = toeplitz_product(phi_k * in_segment[:, None, :, None].to(phi_k.dtype))
         weight = torch.where(in_segment[:, None, :, None], same[:, None, None], other[:, None, None])  # [B, H, n, 1]
@@ -823,12 +886,29 @@ def _match_product(phi_q, phi_k, u, token_ids, segment_ids, algorithm="banded"):
     e = u.shape[-1]
     states = (phi_k.unsqueeze(-1) * u.unsqueeze(-2)).transpose(1, 2).reshape(batch * n, heads, m, e)
     rows = torch.arange(batch, device=token_ids.device)[:, None].expand(batch, n)
-    _, by_token = torch.unique(torch.stack([rows, token_ids]).reshape(2, -1), dim=1, return_inverse=True)
-    _, by_segment = torch.unique(torch.stack([rows, segment_ids, token_ids]).reshape(3, -1), dim=1, return_inverse=True)
-    totals = states.new_zeros(int(by_token.max()) + 1, heads, m, e).index_add(0, by_token, states)
-    parts = states.new_zeros(int(by_segment.max()) + 1, heads, m, e).index_add(0, by_segment, states)
+    by_token, token_groups = _group_ids(torch.stack([rows, token_ids]).reshape(2, -1))
+    by_segment, segment_groups = _group_ids(torch.stack([rows, segment_ids, token_ids]).reshape(3, -1))
+    totals = states.new_zeros(token_groups, heads, m, e).index_add(0, by_token, states)
+    parts = states.new_zeros(segment_groups, heads, m, e).index_add(0, by_segment, states)
     others = (totals[by_token] - parts[by_segment]).view(batch, n, heads, m, e)
     return torch.einsum("bhnm,bnhme->bhne", phi_q, others)
+
+
+def _group_ids(keys):
+    """(group of every column of keys [k, N], number of groups): equal columns share a group, numbered in
+    the lexicographic order of the columns (as torch.unique's inverse). In eager mode the groups are counted
+    (a host sync); under torch.compile, whose shapes must not depend on values, they come from stable sorts,
+    one key at a time from the last, and N (every column alone) bounds their number."""
+    if not torch.compiler.is_compiling():
+        _, inverse = torch.unique(keys, dim=1, return_inverse=True)
+        return inverse, int(inverse.max()) + 1
+    order = torch.arange(keys.shape[1], device=keys.device)
+    for key in reversed(keys):
+        order = order[torch.argsort(key[order], stable=True)]
+    ordered = keys[:, order]
+    starts = F.pad((ordered[:, 1:] != ordered[:, :-1]).any(0), (1, 0))
+    inverse = torch.empty_like(order).scatter_(0, order, starts.cumsum(0))
+    return inverse, keys.shape[1]
 
 
 def _token_matches(token_ids, segment_ids):

@@ -81,7 +81,7 @@ def _mask_to_bool(attention_mask):
     if not attention_mask.is_floating_point():
         return attention_mask != 0
     blocked = attention_mask <= torch.finfo(attention_mask.dtype).min / 2
-    if not bool(((attention_mask == 0) | blocked).all()):
+    if not torch.compiler.is_compiling() and not bool(((attention_mask == 0) | blocked).all()):  # a host sync
         raise ValueError(
             "NPRF attention accepts masks (0 = attend, a very negative value = blocked) but got an additive "
             "attention bias with other values; add such biases to the RPE table instead."
@@ -211,6 +211,10 @@ class NPRFSelfAttention(nn.Module):
             self.cross_segment_bias = nn.Parameter(torch.zeros(self.num_attention_heads))
         else:
             self.cross_segment_bias = None
+        # a bound on the segment ids, which torch.compile cannot read from them (`nprf_attention`): the token
+        # types, or the separator rule's 0 / 1
+        separators = family_of(config.model_type).segments == "separators"
+        self.num_segments = 2 if separators else getattr(config, "type_vocab_size", None)
         # mu_h >= 0, the weight of the same token in the other segment (0 = no word matching)
         if config.token_match:
             self.token_match_weight = nn.Parameter(torch.zeros(self.num_attention_heads))
@@ -379,6 +383,7 @@ class NPRFSelfAttention(nn.Module):
                 band_width=self.band_width,
                 logit_scale=logit_scale,
                 recompute=RECOMPUTE_MODES[self.config.attention_recompute],
+                num_segments=self.num_segments,
                 **segments,
             )[:, :, first:]
         else:
@@ -584,6 +589,11 @@ class NPRFPreTrainedMixin:
     # transformers guesses from this file's source whether `set_attn_implementation` is safe; it is: the
     # NPRF self-attention reads no implementation, HF's cross-attention and mask builders follow it
     _can_set_attn_implementation_cached_value = True
+    # torch.compile(model, fullgraph=True) traces forward and backward without a graph break for every
+    # attention algorithm (tests/test_compile.py). Not with what must read tensors on the host: a general 4D
+    # attention mask (told apart from a padding mask by its values), `feature_redraw_interval > 0` in training.
+    # transformers 5.23 only declares the flag (generate() compiles only with a compileable cache; NPRFCache is not).
+    _can_compile_fullgraph = True
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -659,6 +669,13 @@ class NPRFModelMixin:
         encoder = self.layer_stack
         if not (self.training and interval > 0) or encoder.redraw_suspended:
             return
+        self._advance_redraw(interval)
+
+    @torch.compiler.disable
+    def _advance_redraw(self, interval):
+        # Reads the counter on the host and draws with a CPU generator (QR in float64): run eagerly under
+        # torch.compile (one graph break per training forward, only with `feature_redraw_interval > 0`).
+        encoder = self.layer_stack
         encoder.redraw_step += 1
         step = int(encoder.redraw_step)
         if step % interval == 0:

@@ -606,14 +606,10 @@ def _held_bytes(function, *inputs):
     return result, sum(storages.values())
 
 
-@pytest.mark.parametrize("group_bytes", [None, 1])
 @pytest.mark.parametrize("algorithm", ["dense", "fft", "banded"])
-def test_recompute_gives_the_same_values_and_gradients_and_keeps_no_features(algorithm, group_bytes, small_chunks, monkeypatch):
+def test_recompute_gives_the_same_values_and_gradients_and_keeps_no_features(algorithm, small_chunks):
     """recompute=True keeps only the inputs from forward to backward (the features and the products are
-    computed again in backward, a group of heads at a time: all 3 heads at once, or one by one with a
-    1-byte budget) and changes no number: values and every gradient equal recompute=False's."""
-    if group_bytes is not None:
-        monkeypatch.setattr(Fn, "RECOMPUTE_GROUP_BYTES", group_bytes)
+    computed again in backward) and changes no number: values and every gradient equal recompute=False's."""
     batch, heads, n, d, m = 2, 3, 97, 8, 16
     q, k, v = (torch.randn(batch, n, heads, d, dtype=torch.float64, requires_grad=True) for _ in range(3))
     table = torch.randn(heads, 16, dtype=torch.float64, requires_grad=True)
