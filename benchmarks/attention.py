@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from nprf_hf import functional as Fn
+from nprf_hf.options import RECOMPUTE_MODES
 
 
 ALGORITHMS = ("dense", "fft", "banded", "auto")
@@ -111,13 +112,13 @@ def make_inputs(batch, heads, n, d, m, device, requires_grad):
     return q, k, v, table, projection
 
 
-def nprf_step(algorithm, inputs, n, backward):
+def nprf_step(algorithm, inputs, n, backward, recompute=None):
     q, k, v, table, projection = inputs
     width = Fn.rpe_band_width()
 
     def run():
         bias = Fn.relative_position_bias(table, n)
-        out = Fn.nprf_attention(q, k, v, bias, projection, algorithm=algorithm, band_width=width)
+        out = Fn.nprf_attention(q, k, v, bias, projection, algorithm=algorithm, band_width=width, recompute=recompute)
         if backward:
             out.sum().backward()
         return out
@@ -163,6 +164,9 @@ def main(argv=None):
     parser.add_argument("--heads", type=int, default=12, help="attention heads H (default: %(default)s)")
     parser.add_argument("--head-dim", type=int, default=64, help="head size d (default: %(default)s)")
     parser.add_argument("--features", type=int, default=64, help="NPRF random features m (default: %(default)s)")
+    parser.add_argument("--recompute", default="auto", choices=list(RECOMPUTE_MODES),
+                        help="nprf_attention(recompute=...) in fwd+bwd: auto recomputes the banded / fft features and "
+                        "products in backward instead of keeping them, never keeps them (default: %(default)s)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:0, ...) (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default: %(default)s)")
     parser.add_argument("--memory-budget-gb", type=float, default=12.0,
@@ -195,7 +199,7 @@ def main(argv=None):
         steps = {"sdpa": sdpa_step(inputs, backward)}
         for name in ALGORITHMS:
             if fits(name, b, h, n, backward, args.memory_budget_gb * 2**30):
-                steps[name] = nprf_step(name, inputs, n, backward)
+                steps[name] = nprf_step(name, inputs, n, backward, RECOMPUTE_MODES[args.recompute])
         if not backward:
             steps["fft_floor"] = fft_floor_step(b, h, n, d, m, device)
         return inputs, steps

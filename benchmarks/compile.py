@@ -67,7 +67,7 @@ def resolved_algorithm(model, algorithm, length):
     attention = model.encoder.layer[0].attention.self
     bias = torch.zeros(attention.num_attention_heads, 2 * length - 1)
     features, head_dim = attention.projection.shape[-2], attention.attention_head_size
-    return functional._resolve_algorithm(algorithm, bias, length, attention.band_width, features, head_dim + 1)[0]
+    return functional._resolve_algorithm(algorithm, bias, length, attention.band_width, features, head_dim + 1, inference=True)[0]
 
 
 def forward(model, inputs):
