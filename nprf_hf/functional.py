@@ -37,8 +37,9 @@ BANDED_GROUP = 32
 # thread), where dense's n x n weights also stop fitting in memory.
 AUTO_DENSE_FACTOR = 1.0
 # Without autograd the dense product runs in cache and skips padded keys (`_dense_toeplitz_inference`): on padded
-# batches (B=8, H=12, m=64) it takes 0.93x (d=32) / 0.89x (d=64) of banded's time at 512 tokens, 1.8x / 1.6x at 768.
-AUTO_DENSE_FACTOR_INFERENCE = 1.25
+# batches (B=8, H=12, m=64, T5's default buckets: a window of 334) it takes 0.93x (d=32) / 0.89x (d=64) of banded's
+# time at 512 tokens, 1.8x / 1.6x at 768: they cross at about 540 tokens, 1.6 windows.
+AUTO_DENSE_FACTOR_INFERENCE = 1.6
 AUTO_FFT_MIN_LENGTH = 8192
 # Bytes of n x n weights the dense inference product scales and reads in one group: they stay in a
 # core's L2 cache (2 MiB here) between the two matmuls instead of going to memory and back.
