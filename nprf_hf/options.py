@@ -93,7 +93,8 @@ NPRF_FIELDS = (
     NPRFField(
         "attention_recompute", str, "auto",
         "training: recompute the features and the Toeplitz product in backward instead of keeping them "
-        "(less memory, one more attention forward); auto = for banded / fft (long inputs), not dense",
+        "(less memory, one more attention forward); auto = for banded / fft once a layer's features take 16 MiB "
+        "(long inputs), not for dense",
         choices=tuple(RECOMPUTE_MODES),
     ),
     NPRFField(

@@ -638,18 +638,23 @@ def test_recompute_gives_the_same_values_and_gradients_and_keeps_no_features(alg
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13)
 
 
-def test_recompute_auto_is_for_the_long_input_algorithms():
-    """recompute=None (the default): the banded and fft products recompute in backward, dense keeps its weights."""
+@pytest.mark.parametrize("threshold", ["below", "above"])
+def test_recompute_auto_is_for_the_long_input_algorithms(threshold, monkeypatch):
+    """recompute=None (the default): the banded and fft products recompute in backward once the features take
+    RECOMPUTE_MIN_BYTES, dense keeps its weights; smaller inputs keep everything."""
     batch, heads, n, d, m = 1, 2, 700, 8, 32
+    feature_bytes = batch * heads * n * m * 8
+    monkeypatch.setattr(Fn, "RECOMPUTE_MIN_BYTES", feature_bytes if threshold == "below" else feature_bytes + 1)
     q, k, v, projection = random_inputs(batch, heads, n, d, m)
     q.requires_grad_(True)
     bias = t5_bias(heads, n)
-    for algorithm, recomputes in (("banded", True), ("fft", True), ("dense", False)):
+    for algorithm in ("banded", "fft", "dense"):
         _, held = _held_bytes(
             lambda: Fn.nprf_attention(q, k, v, bias, projection, algorithm=algorithm, band_width=Fn.rpe_band_width()),
             q, k, v, bias, projection,
         )
-        assert (held < batch * heads * n * m * 8 / 4) == recomputes, (algorithm, held)
+        recomputes = threshold == "below" and algorithm != "dense"
+        assert (held < feature_bytes / 4) == recomputes, (algorithm, held)
 
 
 def test_auto_keeps_dense_longer_without_autograd():
