@@ -36,7 +36,7 @@ def test_long_sequence_sweep_writes_results_table_and_plot(long_sequence, tmp_pa
     results = long_sequence.main(TINY + ["--lengths", "32", "64", "--isolation", "none", "--repeats", "1",
                                          "--output", stem])
     assert {(r["variant"], r["mode"], r["n"]) for r in results} == {
-        (v, m, n) for v in long_sequence.VARIANTS for m in long_sequence.MODES for n in (32, 64)
+        (v, m, n) for v in long_sequence.DEFAULT_VARIANTS for m in long_sequence.MODES for n in (32, 64)
     }
     for r in results:
         assert r["status"] == "ok", r
@@ -50,6 +50,12 @@ def test_long_sequence_sweep_writes_results_table_and_plot(long_sequence, tmp_pa
     assert os.path.getsize(stem + ".png") > 1000
     out = capsys.readouterr().out
     assert "sdpa/nprf" in out and "nprf/floor" in out and "training step" in out
+
+
+def test_long_sequence_keep_variant_keeps_the_features(long_sequence):
+    args = long_sequence.parse_args(TINY + ["--variants", "nprf", "nprf-keep"])
+    assert long_sequence.build_model("nprf-keep", args, 16).config.attention_recompute == "never"
+    assert long_sequence.build_model("nprf", args, 16).config.attention_recompute == "auto"
 
 
 def test_long_sequence_floor_is_identity_attention(long_sequence):
