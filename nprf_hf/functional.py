@@ -270,7 +270,8 @@ def nprf_attention(
             phi_k u^T are summed per (token, segment) group and each query reads the groups of its own
             token in the other segments.
         recompute: under autograd, keep only the inputs for backward and recompute the features and the
-            products there (activation checkpointing of this function): the [B, H, n, m] features and their padded copies are then not held from forward to backward.
+            products there (activation checkpointing of this function): the [B, H, n, m] features and
+            their padded copies are then not held from forward to backward.
             None = for the "banded" and "fft" algorithms once the features take RECOMPUTE_MIN_BYTES (long
             inputs, where they are most of a layer's activations), not for "dense". Ignored under torch.compile.
         num_segments: None or S, when every segment id is known to lie in [0, S) (e.g. token types below
