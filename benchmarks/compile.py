@@ -32,13 +32,11 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from nprf_hf import NPRFRobertaConfig, NPRFRobertaModel, functional  # noqa: E402
+from short_length import SIZES, padded_batch  # noqa: E402  the GLUE-length benchmark's sizes and batches
 
 
-SIZES = {
-    "minilm": dict(num_hidden_layers=6, hidden_size=384, num_attention_heads=12, intermediate_size=1536),
-    "roberta-base": dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12, intermediate_size=3072),
-}
 DEFAULT_POINTS = ["32x128", "8x512", "1x4096", "1x16384:banded"]
 DEFAULT_OUTPUT = os.path.join(ROOT, "runs", "benchmarks", "compile.json")
 
@@ -50,16 +48,6 @@ def parse_point(text, algorithms):
     if min(batch, length) < 1 or (algorithm and algorithm not in functional.ALGORITHMS):
         raise ValueError(text)
     return [(batch, length, a) for a in ([algorithm] if algorithm else algorithms)]
-
-
-def padded_batch(batch, length, vocab_size, pad_token_id, seed=0):
-    """input_ids and attention_mask [batch, length]: row lengths drawn in [length / 2, length], the first = length."""
-    generator = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(length // 2, length + 1, (batch,), generator=generator)
-    lengths[0] = length
-    attention_mask = (torch.arange(length)[None, :] < lengths[:, None]).long()
-    input_ids = torch.randint(pad_token_id + 1, vocab_size, (batch, length), generator=generator)
-    return input_ids.masked_fill(attention_mask == 0, pad_token_id), attention_mask
 
 
 def resolved_algorithm(model, algorithm, length):
@@ -134,7 +122,7 @@ def main(argv=None):
     for batch, length, algorithm in points:
         model.config.attention_algorithm = algorithm
         runs = resolved_algorithm(model, algorithm, length)
-        input_ids, attention_mask = padded_batch(batch, length, config.vocab_size, config.pad_token_id)
+        input_ids, attention_mask = padded_batch(batch, length, config.vocab_size, pad_token_id=config.pad_token_id)
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
         torch._dynamo.reset()
         compiled = torch.compile(model, backend=args.backend)

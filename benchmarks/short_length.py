@@ -33,14 +33,15 @@ SIZES = {
 DEFAULT_OUTPUT = os.path.join(ROOT, "runs", "benchmarks", "short_length.json")
 
 
-def padded_batch(batch, length, vocab_size, seed=0):
-    """input_ids and attention_mask [batch, length]: row lengths drawn in [length / 2, length], the longest = length."""
+def padded_batch(batch, length, vocab_size, seed=0, pad_token_id=0):
+    """input_ids and attention_mask [batch, length]: row lengths drawn in [length / 2, length], the first = length;
+    padded positions hold `pad_token_id`."""
     generator = torch.Generator().manual_seed(seed)
     lengths = torch.randint(length // 2, length + 1, (batch,), generator=generator)
     lengths[0] = length
     input_ids = torch.randint(5, vocab_size, (batch, length), generator=generator)
     attention_mask = (torch.arange(length)[None, :] < lengths[:, None]).long()
-    return input_ids * attention_mask, attention_mask
+    return input_ids.masked_fill(attention_mask == 0, pad_token_id), attention_mask
 
 
 def step(model, inputs, train):

@@ -315,7 +315,8 @@ def _nprf_attention(
     value = value.to(dtype)
     c = torch.exp(bias - bias.amax(dim=-1, keepdim=True).detach())  # ratios are shift-invariant; c <= 1
     # Without autograd the dense product runs head by head in cache and skips the keys after the last kept one
-    # (a host sync, hence eager only).
+    # (a host sync, hence eager only). Only the product's own inputs count here, not the wrapper's `needs_grad`:
+    # a training segment bias or match weight multiplies the product's output and needs no graph inside it.
     inference = not torch.is_grad_enabled() or not any(
         t is not None and t.requires_grad for t in (query, key, value, c, projection, logit_scale)
     )
