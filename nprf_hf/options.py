@@ -25,6 +25,25 @@ TRANSFER_DEFAULTS = {
     "seed": 0,
 }
 
+# `long_context_distillation`'s trainable sets and defaults (the CLI's --long-context-* options read them)
+LONG_CONTEXT_TRAIN = ("attention", "encoder")
+LONG_CONTEXT_DEFAULTS = {
+    "steps": 200,
+    "batch_size": 4,
+    "document_length": 2048,
+    "passage_length": 64,
+    "passages_per_document": 2,
+    "short_batch_size": 16,
+    "window": None,
+    "overlap": 0,
+    "contrastive_weight": 0.1,
+    "temperature": 0.05,
+    "learning_rate": 1e-4,
+    "table_learning_rate": 5e-3,
+    "train": "attention",
+    "seed": 0,
+}
+
 
 POSITION_EMBEDDING_TYPES = ("absolute", "none")
 

