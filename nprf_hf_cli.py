@@ -56,6 +56,24 @@ TRANSFER_OPTIONS = (
     ("seed", int, "seed of the text order"),
 )
 
+# long_context_distillation keyword -> (type, help) of its `--long-context-*` option (defaults: options.py)
+LONG_CONTEXT_OPTIONS = (
+    ("steps", int, "optimisation steps"),
+    ("batch_size", int, "documents per step (the other documents are a passage's negatives)"),
+    ("document_length", int, "tokens per training document (the model needs that many positions)"),
+    ("passage_length", int, "tokens per passage cut out of a document"),
+    ("passages_per_document", int, "passages per document and step"),
+    ("short_batch_size", int, "short texts per step kept faithful to the source (0 = none)"),
+    ("window", int, "the source's chunk-and-pool window, content tokens (default: all its positions)"),
+    ("overlap", int, "tokens shared by consecutive windows"),
+    ("contrastive_weight", float, "weight of the passage -> document contrastive term"),
+    ("temperature", float, "temperature of the contrastive term"),
+    ("learning_rate", float, "Adam rate of the trained weights"),
+    ("table_learning_rate", float, "Adam rate of the RPE table(s) and logit scales"),
+    ("train", str, "what trains: attention (as attention transfer) or encoder (the whole layer stack)"),
+    ("seed", int, "seed of the documents, passages and text order"),
+)
+
 
 def add_convert_parser(subparsers):
     options, families = _declarations("options"), _declarations("families")
@@ -126,6 +144,26 @@ def add_convert_parser(subparsers):
             default=options.TRANSFER_DEFAULTS[name],
             help=f"{text} (default: %(default)s)",
         )
+    long_context = parser.add_argument_group(
+        "long-context recipe",
+        "after converting (and the attention transfer), teach the model to embed a whole document like the source's "
+        "chunk-and-pool, and passages and short texts like the source (nprf_hf.long_context_distillation); "
+        "the model needs --max-position-embeddings for --long-context-document-length tokens",
+    )
+    long_context.add_argument(
+        "--long-context-text",
+        metavar="PATH",
+        help="plain text file of long documents (WikiText: split at its article titles; else at blank lines); "
+        "omitted = no recipe",
+    )
+    for name, kind, text in LONG_CONTEXT_OPTIONS:
+        default = options.LONG_CONTEXT_DEFAULTS[name]
+        extra = dict(choices=options.LONG_CONTEXT_TRAIN) if name == "train" else dict(
+            metavar="N" if kind is int else "X")
+        long_context.add_argument(
+            "--long-context-" + name.replace("_", "-"), type=kind, default=default, help=f"{text} (default: %(default)s)",
+            **extra,
+        )
     parser.add_argument("--head", choices=list(HEADS), help="target head (default: from config.architectures)")
     parser.add_argument("--revision", help="Hub revision of SRC: branch, tag or commit (default: the main branch)")
     parser.add_argument(
@@ -152,6 +190,12 @@ def run_convert(args):
 
         transfer_texts = read_transfer_texts(args.attention_transfer_text)
     transfer_options = {name: getattr(args, "attention_transfer_" + name) for name, _, _ in TRANSFER_OPTIONS}
+    long_context_texts = None
+    if args.long_context_text is not None:
+        from nprf_hf.long_context import read_long_text
+
+        long_context_texts = read_long_text(args.long_context_text)
+    long_context_options = {name: getattr(args, "long_context_" + name) for name, _, _ in LONG_CONTEXT_OPTIONS}
     report = convert_checkpoint(
         args.src,
         args.out,
@@ -163,6 +207,8 @@ def run_convert(args):
         from_pretrained_kwargs=from_pretrained_kwargs,
         transfer_texts=transfer_texts,
         transfer_options=transfer_options,
+        long_context_texts=long_context_texts,
+        long_context_options=long_context_options,
         **overrides,
     )
     print(report.format())

@@ -10,6 +10,7 @@ from .configuration_nprf import NPRF_CONFIG_CLASSES
 from .convert import convert_checkpoint, convert_to_nprf
 from .families import HEADS
 from .modeling_nprf import NPRF_MODEL_CLASSES
+from .long_context import LongContextReport, chunk_and_pool, embed_documents, long_context_distillation, read_long_text
 from .transfer import TransferReport, attention_transfer, read_transfer_texts
 
 
@@ -27,4 +28,6 @@ for _model_type, _config_class in NPRF_CONFIG_CLASSES.items():
             getattr(transformers, HEADS[_head].auto_class).register(_config_class, _model_class, exist_ok=True)
 globals().update(_EXPORTS)
 
-__all__ = ["functional", "NPRFCache", "convert_to_nprf", "convert_checkpoint", "attention_transfer", "read_transfer_texts", "TransferReport", *_EXPORTS]
+__all__ = ["functional", "NPRFCache", "convert_to_nprf", "convert_checkpoint", "attention_transfer", "read_transfer_texts", "TransferReport",
+           "long_context_distillation", "LongContextReport", "read_long_text", "chunk_and_pool", "embed_documents",
+           *_EXPORTS]

@@ -42,6 +42,7 @@ class ConversionReport:
     dropped: list = field(default_factory=list)  # source tensors the NPRF model has no place for
     rpe_init: str = "zeros"
     transfer: Optional[object] = None  # the TransferReport when attention transfer ran
+    long_context: Optional[object] = None  # the LongContextReport when the long-context recipe ran
     # head tensors the source lacked: randomly initialised, the head gives noise until trained
     untrained_head: list = field(default_factory=list)
     tied: dict = field(default_factory=dict)  # name -> the tensor it shares storage with (not new, not saved twice)
@@ -66,6 +67,8 @@ class ConversionReport:
             lines.append("WARNING: " + untrained_head_message(self))
         if self.transfer is not None:
             lines.append(self.transfer.format())
+        if self.long_context is not None:
+            lines.append(self.long_context.format())
         return "\n".join(lines)
 
 
@@ -323,6 +326,8 @@ def _convert(
     from_pretrained_kwargs: Optional[dict] = None,
     transfer_texts: Optional[Sequence] = None,
     transfer_options: Optional[dict] = None,
+    long_context_texts: Optional[Sequence] = None,
+    long_context_options: Optional[dict] = None,
     **config_overrides,
 ):
     if rpe_init not in RPE_INITS:
@@ -346,6 +351,8 @@ def _convert(
         raise ValueError("rpe_init='calibrated' needs the source tokenizer: pass tokenizer=")
     if transfer_texts is not None and tokenizer is None:
         raise ValueError("attention transfer needs the source tokenizer: pass tokenizer=")
+    if long_context_texts is not None and tokenizer is None:
+        raise ValueError("the long-context recipe needs the source tokenizer: pass tokenizer=")
 
     config = build_nprf_config(source_config, **config_overrides)
     from .modeling_nprf import NPRF_MODEL_CLASSES
@@ -377,6 +384,12 @@ def _convert(
         from .transfer import attention_transfer
 
         report.transfer = attention_transfer(target, source, tokenizer, transfer_texts, **(transfer_options or {}))
+    if long_context_texts is not None:  # after the transfer: it starts from attention that already imitates
+        from .long_context import long_context_distillation
+
+        report.long_context = long_context_distillation(
+            target, source, tokenizer, long_context_texts, **(long_context_options or {})
+        )
 
     if tokenizer is not None and "max_position_embeddings" in config_overrides:
         tokenizer.model_max_length = config.max_position_embeddings - position_offset(config)
@@ -494,6 +507,8 @@ def convert_to_nprf(
     from_pretrained_kwargs: Optional[dict] = None,
     transfer_texts: Optional[Sequence] = None,
     transfer_options: Optional[dict] = None,
+    long_context_texts: Optional[Sequence] = None,
+    long_context_options: Optional[dict] = None,
     **config_overrides,
 ):
     """Convert a BERT or RoBERTa model (in memory, local directory or Hub id) into its NPRF counterpart.
@@ -513,6 +528,9 @@ def convert_to_nprf(
     transfer_texts: texts (strings or sentence pairs, e.g. from `read_transfer_texts`) for attention
     transfer right after the conversion (`nprf_hf.attention_transfer`, options in `transfer_options`);
     None = no transfer.
+    long_context_texts: long unlabeled documents (e.g. from `read_long_text`) for the long-context recipe
+    (`nprf_hf.long_context_distillation`, options in `long_context_options`), run after the transfer: the
+    model learns to embed a whole document like the source's chunk-and-pool. None = not run.
     Returns the NPRF model in eval mode (and a `ConversionReport` if `return_report`). To save it with its
     tokenizer (for `pipeline`, `AutoTokenizer`, sentence-transformers), use `convert_checkpoint(src, out_dir)`.
     """
@@ -520,7 +538,8 @@ def convert_to_nprf(
         model_or_path, tokenizer=tokenizer, head=head, rpe_init=rpe_init, calibration_text=calibration_text,
         calibration_blocks=calibration_blocks, calibration_block_size=calibration_block_size,
         from_pretrained_kwargs=from_pretrained_kwargs, transfer_texts=transfer_texts,
-        transfer_options=transfer_options, **config_overrides,
+        transfer_options=transfer_options, long_context_texts=long_context_texts,
+        long_context_options=long_context_options, **config_overrides,
     )
     logger.info(report.format())
     return (model, report) if return_report else model

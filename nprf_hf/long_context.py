@@ -305,6 +305,8 @@ def long_context_distillation(
     """
     from .transfer import TABLE_PARAMETERS, _check_pair, _progress
 
+    if train not in LONG_CONTEXT_TRAIN:
+        raise ValueError(f"train='{train}' is not supported; allowed: {', '.join(LONG_CONTEXT_TRAIN)}")
     if steps < 0 or batch_size < 1 or passage_length < 1 or passages_per_document < 1 or short_batch_size < 0:
         raise ValueError(
             "need steps >= 0, batch_size >= 1, passage_length >= 1, passages_per_document >= 1, short_batch_size >= 0"
@@ -317,6 +319,8 @@ def long_context_distillation(
     if window is None:
         window = teacher_window(teacher, tokenizer)
     _check_lengths(student, teacher, tokenizer, document_length, window)
+    if passage_length > window:
+        raise ValueError(f"passage_length={passage_length} exceeds the teacher's window={window}: lower it")
     documents = [d for d in documents if d.strip()]
     if not documents:
         raise ValueError("the long-context recipe needs at least one document of text")
@@ -344,10 +348,10 @@ def long_context_distillation(
     eval_passages = sample_passages(eval_docs, 2, passage_length, eval_generator)
     eval_short = [short_texts[i] for i in torch.randperm(len(short_texts), generator=eval_generator)[:32].tolist()]
     generator = torch.Generator().manual_seed(seed)
-    max_short = 128
+    max_short = min(126, window)  # content tokens of a short text: at most a sentence, within the teacher's reach
 
     def short_ids(texts):
-        return [tokenizer(t, add_special_tokens=False, truncation=True, max_length=max_short - 2)["input_ids"]
+        return [tokenizer(t, add_special_tokens=False, truncation=True, max_length=max_short)["input_ids"]
                 for t in texts]
 
     def teacher_targets(docs, passages, shorts):

