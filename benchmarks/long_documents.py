@@ -1,11 +1,14 @@
 """Long documents, accurately: whole-document NPRF embeddings against what a long-document user runs today.
 
-One process, side by side, per length (content tokens; the special tokens come on top):
+One process, side by side, per length (tokens per input, special tokens included):
 
 * ``truncate``: the softmax source on the document's first `window` tokens;
 * ``chunk-and-pool``: the softmax source on consecutive windows of `window` tokens (`--overlap` shared),
   window embeddings averaged weighted by token count (`nprf_hf.long_context.chunk_and_pool`);
 * every ``--nprf NAME=DIR``: an NPRF model (a `nprf-hf convert` output) on the whole document, one pass.
+
+With `--faithfulness-file` (default: SST-2 dev), each NPRF model's short-text embeddings are compared with the
+source's too (mean cosine): a long-context model should stay faithful on short texts.
 
 Each embeds its own queries (baselines: the source; an NPRF model: itself). Embeddings are mean-pooled
 and L2-normalized (the sentence-transformers MiniLM's pooling); a query is scored top-1 (= nDCG@1 with
@@ -14,14 +17,15 @@ one relevant document) against all documents of its task and length.
 Tasks (all built locally, deterministic for `--seed`):
 
 * ``retrieval``: WikiText-2 (`--split valid` to develop and tune, `test` to report) articles, concatenated
-  in order until a document has `length` tokens (so every document starts at an article); the query is a
-  `--passage-length`-token passage cut from the document's last 40%; candidates: all documents of that length.
+  in order until a document has `length` tokens (so every document starts at an article); the queries are
+  `--queries-per-document` passages of `--passage-length` tokens cut from the document's last 40%; candidates:
+  all documents of that length.
 * ``passkey`` (LongEmbed, Zhu et al. 2024): a filler text repeated to `length` tokens, with one sentence
   "<name>'s pass key is <5 digits>. Remember it. <key> is the pass key of <name>." at a random depth;
   query "What is the pass key for <name>?"; each candidate has its own name, key and depth.
-* ``needle`` (LongEmbed's needle task, haystack from the same WikiText split): a random span of real text
-  per candidate with one fact "The best thing to do in <city> is <activity>." at a random depth; query
-  "What is the best thing to do in <city>?".
+* ``needle`` (LongEmbed's needle task, haystack from the same WikiText split): one random span of real text
+  shared by all candidates, each with its own fact "The best thing to do in <city> is <activity>." at a
+  random depth; query "What is the best thing to do in <city>?".
 
 Time: median seconds per document over the documents of a task (embedding only, batch 1, after one warm-up
 document), same process, `--threads` threads.
@@ -86,10 +90,10 @@ def wikitext_tokens(tokenizer, path):
     return [tokenizer(text, add_special_tokens=False, truncation=False)["input_ids"] for text in read_long_text(path)]
 
 
-def retrieval_task(articles, length, count, passage_length, seed, tail=0.4):
-    """(documents, queries): articles concatenated in order until `length` tokens (each document starts at an
-    article; the rest of its last article is dropped), at most `count`; query i is a passage of document i's
-    last `tail` fraction."""
+def retrieval_task(articles, length, count, passage_length, seed, tail=0.4, queries_per_document=1):
+    """(documents, queries, owners): articles concatenated in order until `length` tokens (each document starts
+    at an article; the rest of its last article is dropped), at most `count`; `queries_per_document` passages of
+    each document's last `tail` fraction, query i belonging to document owners[i]."""
     documents, current = [], []
     for ids in articles:
         current = current + list(ids)
@@ -99,12 +103,14 @@ def retrieval_task(articles, length, count, passage_length, seed, tail=0.4):
             if len(documents) == count:
                 break
     rng = _rng(seed, "retrieval", length)
-    queries = []
-    for doc in documents:
+    queries, owners = [], []
+    for index, doc in enumerate(documents):
         first = max(int(len(doc) * (1 - tail)), 0)
-        start = rng.randint(first, len(doc) - passage_length)
-        queries.append(doc[start : start + passage_length])
-    return documents, queries
+        for _ in range(queries_per_document):
+            start = rng.randint(first, len(doc) - passage_length)
+            queries.append(doc[start : start + passage_length])
+            owners.append(index)
+    return documents, queries, owners
 
 
 def _insert(haystack, needle, rng, boundaries=None):
@@ -129,11 +135,12 @@ def passkey_task(tokenizer, length, count, seed):
         boundaries = [i * len(unit) for i in range(len(haystack) // len(unit) + 1)]
         documents.append(_insert(haystack, needle, rng, boundaries)[:length])
         queries.append(tokenizer(f"What is the pass key for {name}?", add_special_tokens=False)["input_ids"])
-    return documents, queries
+    return documents, queries, list(range(len(documents)))
 
 
 def needle_task(tokenizer, articles, length, count, seed):
-    """LongEmbed-style needle retrieval on real text: (documents, queries)."""
+    """LongEmbed-style needle retrieval on real text: (documents, queries, owners). All candidates share one
+    haystack (a random span of the text), so that only the needle and its depth tell them apart."""
     rng = _rng(seed, "needle", length)
     stream = [t for ids in articles for t in ids]
     pairs = [(c, a) for c in CITIES for a in ACTIVITIES]
@@ -147,29 +154,33 @@ def needle_task(tokenizer, articles, length, count, seed):
             break
     if len(chosen) < count:
         raise ValueError(f"needle: at most {len(CITIES)} candidates (one city each), got --docs {count}")
+    if len(stream) < length:
+        raise ValueError(f"needle: the text has {len(stream)} tokens, fewer than {length}")
+    start = rng.randint(0, len(stream) - length)
+    haystack = stream[start : start + length]
     documents, queries = [], []
     for city, activity in chosen:
         needle = tokenizer(f" The best thing to do in {city} is {activity}.", add_special_tokens=False)["input_ids"]
-        span = length - len(needle)
-        if len(stream) < span:
-            raise ValueError(f"needle: the text has {len(stream)} tokens, fewer than {span}")
-        start = rng.randint(0, len(stream) - span)
-        documents.append(_insert(stream[start : start + span], needle, rng))
+        documents.append(_insert(haystack[: length - len(needle)], needle, rng))
         queries.append(tokenizer(f"What is the best thing to do in {city}?", add_special_tokens=False)["input_ids"])
-    return documents, queries
+    return documents, queries, list(range(len(documents)))
 
 
-def build_tasks(tokenizer, articles, lengths, count, passage_length, seed, tasks=TASKS):
-    """{(task, length): (documents, queries)}."""
+def build_tasks(tokenizer, articles, lengths, count, passage_length, seed, tasks=TASKS, special_tokens=0,
+                queries_per_document=1):
+    """{(task, length): (documents, queries, owners)}; documents have `length - special_tokens` content tokens, so that
+    with the model's special tokens an input is `length` tokens long."""
     built = {}
-    for length in lengths:
+    for total in lengths:
+        length = total - special_tokens
         for task in tasks:
             if task == "retrieval":
-                built[task, length] = retrieval_task(articles, length, count, passage_length, seed)
+                built[task, total] = retrieval_task(articles, length, count, passage_length, seed,
+                                                    queries_per_document=queries_per_document)
             elif task == "passkey":
-                built[task, length] = passkey_task(tokenizer, length, count, seed)
+                built[task, total] = passkey_task(tokenizer, length, count, seed)
             else:
-                built[task, length] = needle_task(tokenizer, articles, length, count, seed)
+                built[task, total] = needle_task(tokenizer, articles, length, count, seed)
     return built
 
 
@@ -178,13 +189,13 @@ def build_tasks(tokenizer, articles, lengths, count, passage_length, seed, tasks
 # ---------------------------------------------------------------------------------------------
 
 
-def top1(query_embeddings, document_embeddings):
-    """Fraction of queries whose most similar document is their own (query i <-> document i)."""
+def top1(query_embeddings, document_embeddings, owners):
+    """Fraction of queries whose most similar document is their own (query i <-> document owners[i])."""
     best = (query_embeddings @ document_embeddings.T).argmax(-1)
-    return float((best == torch.arange(len(best))).float().mean())
+    return float((best == torch.tensor(owners)).float().mean())
 
 
-def run_method(name, model, tokenizer, documents, queries, args):
+def run_method(name, model, tokenizer, documents, queries, owners, args):
     """(top-1, median seconds per document, embeddings) of one method on one task."""
     from nprf_hf.long_context import chunk_and_pool, embed_documents, encode_token_ids
 
@@ -205,7 +216,30 @@ def run_method(name, model, tokenizer, documents, queries, args):
         document_embeddings = torch.cat(vectors)
         query_embeddings = torch.cat([encode_token_ids(model, tokenizer, queries[i : i + 32])
                                       for i in range(0, len(queries), 32)])
-    return top1(query_embeddings, document_embeddings), statistics.median(seconds)
+    return top1(query_embeddings, document_embeddings, owners), statistics.median(seconds)
+
+
+def read_sentences(path):
+    """The sentences of a GLUE single-sentence TSV (SST-2: header `sentence\tlabel`) or a plain one-per-line file."""
+    with open(path, encoding="utf-8") as handle:
+        lines = [line.rstrip("\n") for line in handle if line.strip()]
+    if lines and lines[0].split("\t")[0] == "sentence":
+        return [line.split("\t")[0] for line in lines[1:]]
+    return lines
+
+
+def faithfulness(models, tokenizer, sentences, batch_size=64):
+    """{NPRF method: mean cosine of its embeddings to the source's} on short sentences (<= 128 tokens)."""
+    from nprf_hf.long_context import encode_token_ids
+
+    ids = [tokenizer(t, add_special_tokens=False, truncation=True, max_length=126)["input_ids"] for t in sentences]
+    with torch.inference_mode():
+        def embed(model):
+            return torch.cat([encode_token_ids(model, tokenizer, ids[i : i + batch_size])
+                              for i in range(0, len(ids), batch_size)])
+        reference = embed(models["truncate"])
+        return {name: float((embed(model) * reference).sum(-1).mean())
+                for name, model in models.items() if name not in ("truncate", "chunk-and-pool")}
 
 
 def load_models(args):
@@ -231,10 +265,10 @@ def check_lengths(models, tokenizer, lengths):
         config = model.config
         if name in ("truncate", "chunk-and-pool") or getattr(config, "position_embedding_type", "absolute") != "absolute":
             continue
-        limit = content_length(tokenizer, config.max_position_embeddings - position_offset(config))
+        limit = config.max_position_embeddings - position_offset(config)
         if max(lengths) > limit:
-            raise SystemExit(f"--nprf {name}: its {limit} content positions are fewer than --lengths {max(lengths)}: "
-                             f"convert it with --max-position-embeddings >= {max(lengths) + 2}")
+            raise SystemExit(f"--nprf {name}: its {limit} positions are fewer than --lengths {max(lengths)}: "
+                             f"convert it with --max-position-embeddings >= {max(lengths)}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,12 +322,19 @@ def parse_args(argv=None):
     parser.add_argument("--nprf", action="append", default=[], metavar="NAME=DIR", help="an NPRF model to compare (repeatable)")
     parser.add_argument("--data", default=DEFAULT_DATA, help="folder with WikiText-2 valid.txt / test.txt")
     parser.add_argument("--split", choices=("valid", "test"), default="valid", help="valid to develop, test to report")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192], help="content tokens")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192],
+                        help="tokens per input, special tokens included")
     parser.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
     parser.add_argument("--docs", type=int, default=30, help="documents per task and length (retrieval: fewer if the split runs out)")
     parser.add_argument("--passage-length", type=int, default=64, help="retrieval query tokens")
-    parser.add_argument("--window", type=int, default=510, help="chunk-and-pool / truncation window, content tokens")
+    parser.add_argument("--queries-per-document", type=int, default=4,
+                        help="retrieval: passages drawn from each document's last 40%% (more queries, less noise)")
+    parser.add_argument("--window", type=int, default=510,
+                        help="chunk-and-pool / truncation window, content tokens (510 + [CLS] and [SEP] = 512)")
     parser.add_argument("--overlap", type=int, default=0, help="chunk-and-pool: tokens shared by consecutive windows")
+    parser.add_argument("--faithfulness-file", default=os.path.join(os.path.dirname(DEFAULT_DATA), "glue", "SST-2", "dev.tsv"),
+                        help="short sentences (GLUE TSV or one per line): each NPRF model's mean cosine to the source; "
+                        "'' = skip")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--output", default=DEFAULT_OUTPUT, help="path stem of the .json and .png")
@@ -315,6 +356,8 @@ def parse_args(argv=None):
             parser.error(f"--nprf takes NAME=DIR with a new name, got {spec!r}")
         if not os.path.isdir(path):
             parser.error(f"--nprf {spec}: no such directory")
+    if args.faithfulness_file and not os.path.isfile(args.faithfulness_file):
+        parser.error(f"--faithfulness-file {args.faithfulness_file}: no such file ('' to skip)")
     text = os.path.join(args.data, f"{args.split}.txt")
     if not os.path.isfile(text):
         parser.error(f"no {text}: give --data, the folder with WikiText-2 {args.split}.txt")
@@ -328,21 +371,32 @@ def main(argv=None):
     tokenizer, models = load_models(args)
     check_lengths(models, tokenizer, args.lengths)
     articles = wikitext_tokens(tokenizer, os.path.join(args.data, f"{args.split}.txt"))
-    tasks = build_tasks(tokenizer, articles, args.lengths, args.docs, args.passage_length, args.seed, args.tasks)
+    from nprf_hf.long_context import content_length
+
+    special_tokens = 512 - content_length(tokenizer, 512)
+    tasks = build_tasks(tokenizer, articles, args.lengths, args.docs, args.passage_length, args.seed, args.tasks,
+                        special_tokens, args.queries_per_document)
     rows = []
-    for (task, length), (documents, queries) in tasks.items():
+    for (task, length), (documents, queries, owners) in tasks.items():
         if len(documents) < 2:
             print(f"{task} at {length}: fewer than 2 documents in the split, skipped", file=sys.stderr)
             continue
         for method, model in models.items():
-            score, seconds = run_method(method, model, tokenizer, documents, queries, args)
+            score, seconds = run_method(method, model, tokenizer, documents, queries, owners, args)
             rows.append({"task": task, "length": length, "method": method, "top1": score, "seconds": seconds,
-                         "documents": len(documents)})
+                         "documents": len(documents), "queries": len(queries)})
             print(f"{task:>9} {length:>6} {method:>16}: top-1 {score:.3f}  {seconds:.3f} s/doc  ({len(documents)} docs)",
                   flush=True)
     methods = list(models)
     table = format_table(rows, methods, args.lengths, args.tasks)
     print(table)
+    cosines = {}
+    if args.faithfulness_file:
+        cosines = faithfulness(models, tokenizer, read_sentences(args.faithfulness_file))
+        print(f"\nshort texts ({os.path.basename(os.path.dirname(args.faithfulness_file))}/"
+              f"{os.path.basename(args.faithfulness_file)}): mean cosine to the source's embedding")
+        for name, value in cosines.items():
+            print(f"  {name}: {value:.4f}")
     meta = {
         "args": {k: v for k, v in vars(args).items()},
         "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
@@ -350,7 +404,7 @@ def main(argv=None):
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output + ".json", "w") as handle:
-        json.dump({"meta": meta, "results": rows}, handle, indent=1)
+        json.dump({"meta": meta, "results": rows, "short_text_cosine": cosines}, handle, indent=1)
     if not args.no_plot and rows:
         plot(rows, methods, args.lengths, args.tasks, args.output + ".png")
     return rows

@@ -82,7 +82,9 @@ def encode_token_ids(model, tokenizer, sequences: Sequence[Sequence[int]]) -> to
     padded batch through `model.base_model`. Runs under the caller's grad mode."""
     device = next(model.parameters()).device
     input_ids, attention_mask = _batch(tokenizer, sequences, device)
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    # no mask when nothing is padded (one document, equal windows): attention then skips every mask pass
+    mask = None if bool(attention_mask.all()) else attention_mask
+    hidden = model.base_model(input_ids=input_ids, attention_mask=mask).last_hidden_state
     return mean_pool(hidden, attention_mask)
 
 

@@ -201,23 +201,27 @@ def bench():
 def test_benchmark_tasks_are_deterministic_for_a_seed_and_well_formed(bench, tiny):
     *_, text, tokenizer = tiny
     articles = bench.wikitext_tokens(tokenizer, text)
-    first = bench.build_tasks(tokenizer, articles, [120, 200], 5, 16, seed=1)
-    again = bench.build_tasks(tokenizer, articles, [120, 200], 5, 16, seed=1)
-    other = bench.build_tasks(tokenizer, articles, [120, 200], 5, 16, seed=2)
+    first = bench.build_tasks(tokenizer, articles, [122, 202], 5, 16, seed=1, special_tokens=2, queries_per_document=3)
+    again = bench.build_tasks(tokenizer, articles, [122, 202], 5, 16, seed=1, special_tokens=2, queries_per_document=3)
+    other = bench.build_tasks(tokenizer, articles, [122, 202], 5, 16, seed=2, special_tokens=2, queries_per_document=3)
     assert first == again and first != other
-    for (task, length), (documents, queries) in first.items():
-        assert len(documents) == len(queries) >= 2
-        assert all(len(doc) == length for doc in documents), (task, length)
-    docs, queries = first["retrieval", 200]
-    for doc, query in zip(docs, queries):  # each query is a passage of its own document's last 40%
+    for (task, length), (documents, queries, owners) in first.items():
+        assert len(documents) >= 2 and len(owners) == len(queries)
+        assert sorted(set(owners)) == list(range(len(documents)))
+        assert all(len(doc) == length - 2 for doc in documents), (task, length)
+    docs, queries, owners = first["retrieval", 202]
+    assert len(queries) == 3 * len(docs)
+    for owner, query in zip(owners, queries):  # each query is a passage of its own document's last 40%
+        doc = docs[owner]
         starts = [i for i in range(len(doc) - 15) if doc[i : i + 16] == query]
         assert starts and starts[0] >= int(0.6 * 200)
-    docs, queries = first["passkey", 200]
+    docs, queries, _ = first["passkey", 202]
     for doc, query in zip(docs, queries):
         name = tokenizer.decode(query).split("for ")[1].rstrip("?").strip()
         decoded = tokenizer.decode(doc).lower()
         assert name.lower() in decoded and "pass key is" in decoded and "pass key" not in decoded.split(name.lower())[0]
-    docs, queries = first["needle", 120]
+    docs, queries, _ = first["needle", 122]
+    assert len({tuple(doc[:10]) for doc in docs}) <= 2  # one shared haystack (a needle may open a document)
     for doc, query in zip(docs, queries):
         city = tokenizer.decode(query).split(" in ")[1].rstrip("?").strip()
         assert f"best thing to do in {city.lower()}" in tokenizer.decode(doc).lower()
@@ -229,20 +233,24 @@ def test_benchmark_runs_every_method_and_writes_table_and_plot(bench, tiny, tmp_
     data.mkdir()
     (data / "valid.txt").write_text(open(text, encoding="utf-8").read(), encoding="utf-8")
     stem = str(tmp_path / "ld")
+    sentences = tmp_path / "dev.tsv"
+    sentences.write_text("sentence\tlabel\na fine film .\t1\na dull , lifeless film .\t0\n", encoding="utf-8")
     rows = bench.main(["--model", softmax_dir, "--nprf", f"tiny={nprf_dir}", "--data", str(data), "--lengths", "120",
                        "250", "--docs", "4", "--window", "62", "--passage-length", "16", "--threads", "1",
-                       "--output", stem])
+                       "--faithfulness-file", str(sentences), "--output", stem])
     assert {(r["task"], r["length"], r["method"]) for r in rows} == {
         (t, n, m) for t in bench.TASKS for n in (120, 250) for m in ("truncate", "chunk-and-pool", "tiny")
     }
     assert all(0 <= r["top1"] <= 1 and r["seconds"] > 0 for r in rows)
     with open(stem + ".json") as handle:
-        assert json.load(handle)["meta"]["chunk_and_pool"] == {"window": 62, "overlap": 0}
+        saved = json.load(handle)
+    assert saved["meta"]["chunk_and_pool"] == {"window": 62, "overlap": 0}
+    assert set(saved["short_text_cosine"]) == {"tiny"} and -1 <= saved["short_text_cosine"]["tiny"] <= 1
     assert os.path.getsize(stem + ".png") > 1000
     assert "| chunk-and-pool |" in capsys.readouterr().out
-    with pytest.raises(SystemExit):  # the NPRF model has 298 content positions
-        bench.main(["--model", softmax_dir, "--nprf", f"tiny={nprf_dir}", "--data", str(data), "--lengths", "400",
-                    "--docs", "3", "--output", stem])
+    with pytest.raises(SystemExit):  # the NPRF model has 300 positions
+        bench.main(["--model", softmax_dir, "--nprf", f"tiny={nprf_dir}", "--data", str(data), "--lengths", "301",
+                    "--docs", "3", "--faithfulness-file", "", "--output", stem])
 
 
 # ---------------------------------------------------------------------------------------------
