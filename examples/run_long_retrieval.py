@@ -22,7 +22,7 @@ tokenizer and sentence-transformers files, written to a temporary sibling folder
     python examples/run_long_retrieval.py --model_name_or_path runs/minilm-8k-long \\
         --train_file ../shared/data/wikitext-2/valid.txt --document_length 4096 --batch_size 2 \\
         --max_steps 100 --gradient_checkpointing --output_dir runs/long-retrieval
-    accelerate launch --cpu --num_processes 2 examples/run_long_retrieval.py ...   # DDP on CPU processes
+    accelerate launch --config_file examples/accelerate/cpu_ddp.yaml examples/run_long_retrieval.py ... --threads 1
 """
 
 import argparse
@@ -104,7 +104,9 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     kwargs = {} if args.mixed_precision is None else {"mixed_precision": args.mixed_precision}
-    accelerator = Accelerator(**kwargs)
+    # cpu=True where there is no GPU: accelerate then forms a gloo process group from torchrun's variables
+    # (DDP over CPU processes without MPI)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
     config = AutoConfig.from_pretrained(args.model_name_or_path)
     is_nprf = config.model_type.startswith("nprf_")
@@ -173,6 +175,10 @@ def main(argv=None):
         "peak_memory_bytes": peak_memory_bytes(accelerator.device), "final_loss": log[-1]["loss"],
         "threads": torch.get_num_threads(),
     }
+    # every process must end with the same weights (gradients averaged by hand above)
+    checksum = torch.stack([p.detach().double().sum() for p in core.parameters()]).sum().reshape(1).to(accelerator.device)
+    checksums = accelerator.gather(checksum)
+    results["parameters_in_sync"] = bool(torch.allclose(checksums, checksums[:1].expand_as(checksums)))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         save(core, tokenizer, args, log, results, carry_sentence_transformers_files)

@@ -288,6 +288,24 @@ def test_long_retrieval_fine_tuning_end_to_end(finetune, tiny, tmp_path):
     assert baseline["mode"] == "chunk-and-pool" and baseline["window"] == 62
 
 
+def test_long_retrieval_under_accelerate_launch_ddp_on_cpu_processes(tiny, tmp_path):
+    import subprocess
+    import sys
+
+    _, _, nprf_dir, text, _ = tiny
+    out = tmp_path / "ddp"
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               os.path.join(ROOT, "examples", "accelerate", "cpu_ddp.yaml"),
+               os.path.join(ROOT, "examples", "run_long_retrieval.py"), "--model_name_or_path", nprf_dir,
+               "--train_file", text, "--document_length", "200", "--passage_length", "16", "--batch_size", "2",
+               "--max_steps", "2", "--threads", "1", "--learning_rate", "1e-3", "--output_dir", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(out / "train_results.json") as handle:
+        results = json.load(handle)
+    assert results["processes"] == 2 and results["parameters_in_sync"]
+
+
 def test_long_retrieval_refuses_to_overwrite_and_wrong_modes(finetune, tiny, tmp_path, capsys):
     _, softmax_dir, nprf_dir, text, _ = tiny
     full = tmp_path / "full"
