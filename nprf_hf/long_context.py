@@ -387,7 +387,7 @@ def long_context_distillation(
                 optimizer, lambda step: 0.1 + 0.45 * (1 + math.cos(math.pi * min(step / steps, 1.0)))
             )
             order, position = torch.randperm(len(short_texts), generator=generator).tolist(), 0
-            progress = _progress(steps, show_progress)
+            progress = _progress(steps, show_progress, "long-context recipe")
             for step in range(1, steps + 1):
                 docs = sample_documents(stream, batch_size, document_length, generator)
                 passages = sample_passages(docs, passages_per_document, passage_length, generator)

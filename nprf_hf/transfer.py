@@ -370,7 +370,7 @@ def attention_transfer(
 
 
 # The keyword defaults of `attention_transfer`, for the CLI and the GLUE scripts' options.
-def _progress(total, enabled):
+def _progress(total, enabled, desc="attention transfer"):
     try:
         from tqdm.auto import tqdm
     except ImportError:  # tqdm is an optional dependency; no bar then
@@ -386,7 +386,7 @@ def _progress(total, enabled):
                 pass
 
         return _Silent()
-    return tqdm(total=total, desc="attention transfer", disable=not enabled, leave=False)
+    return tqdm(total=total, desc=desc, disable=not enabled, leave=False)
 
 
 __all__ = ["TRANSFER_DEFAULTS", "TransferReport", "attention_transfer", "read_transfer_texts"]
