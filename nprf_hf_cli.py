@@ -60,11 +60,11 @@ TRANSFER_OPTIONS = (
 LONG_CONTEXT_OPTIONS = (
     ("steps", int, "optimisation steps"),
     ("batch_size", int, "documents per step (the other documents are a passage's negatives)"),
-    ("document_length", int, "tokens per training document (the model needs that many positions)"),
+    ("document_length", int, "content tokens per training document (the model needs 2 positions more)"),
     ("passage_length", int, "tokens per passage cut out of a document"),
     ("passages_per_document", int, "passages per document and step"),
     ("short_batch_size", int, "short texts per step kept faithful to the source (0 = none)"),
-    ("window", int, "the source's chunk-and-pool window, content tokens (default: all its positions)"),
+    ("window", int, "the source's chunk-and-pool window, content tokens (default: all the source's positions)"),
     ("overlap", int, "tokens shared by consecutive windows"),
     ("contrastive_weight", float, "weight of the passage -> document contrastive term"),
     ("temperature", float, "temperature of the contrastive term"),
@@ -161,8 +161,8 @@ def add_convert_parser(subparsers):
         extra = dict(choices=options.LONG_CONTEXT_TRAIN) if name == "train" else dict(
             metavar="N" if kind is int else "X")
         long_context.add_argument(
-            "--long-context-" + name.replace("_", "-"), type=kind, default=default, help=f"{text} (default: %(default)s)",
-            **extra,
+            "--long-context-" + name.replace("_", "-"), type=kind, default=default,
+            help=text if default is None else f"{text} (default: %(default)s)", **extra,
         )
     parser.add_argument("--head", choices=list(HEADS), help="target head (default: from config.architectures)")
     parser.add_argument("--revision", help="Hub revision of SRC: branch, tag or commit (default: the main branch)")

@@ -291,6 +291,13 @@ def format_table(rows, methods, lengths, tasks):
     return "\n".join(lines)
 
 
+def _length_ticks(axis, lengths):
+    from matplotlib.ticker import NullFormatter
+
+    axis.set_xticks(lengths, [str(n) for n in lengths], fontsize=7)
+    axis.xaxis.set_minor_formatter(NullFormatter())
+
+
 def plot(rows, methods, lengths, tasks, path):
     import matplotlib
 
@@ -303,6 +310,7 @@ def plot(rows, methods, lengths, tasks, path):
             points = [(r["length"], r["top1"]) for r in rows if r["task"] == task and r["method"] == method]
             axis.plot(*zip(*sorted(points)), marker="o", label=method)
         axis.set(title=f"{task}: top-1", xlabel="tokens", xscale="log", ylim=(-0.02, 1.02))
+        _length_ticks(axis, lengths)
     axis = axes[-1]
     for method in methods:
         points = [(r["length"], r["seconds"]) for r in rows if r["task"] == "retrieval" and r["method"] == method] or \
@@ -310,6 +318,7 @@ def plot(rows, methods, lengths, tasks, path):
         axis.plot(*zip(*sorted(points)), marker="o", label=method)
     axis.set(title=f"seconds per document ({tasks[0] if 'retrieval' not in tasks else 'retrieval'})",
              xlabel="tokens", xscale="log", yscale="log")
+    _length_ticks(axis, lengths)
     axes[0].legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=120)

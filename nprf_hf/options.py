@@ -28,7 +28,7 @@ TRANSFER_DEFAULTS = {
 # `long_context_distillation`'s trainable sets and defaults (the CLI's --long-context-* options read them)
 LONG_CONTEXT_TRAIN = ("attention", "encoder")
 LONG_CONTEXT_DEFAULTS = {
-    "steps": 200,
+    "steps": 150,
     "batch_size": 4,
     "document_length": 2048,
     "passage_length": 64,
