@@ -24,7 +24,6 @@ the last hidden states over real tokens, L2-normalized.
   "encoder" = every parameter of the layer stack (embeddings and heads stay bit-identical).
 """
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
@@ -305,7 +304,7 @@ def long_context_distillation(
     Returns:
         A `LongContextReport`.
     """
-    from .transfer import TABLE_PARAMETERS, _check_pair, _progress
+    from .transfer import _check_pair, _progress, adam_with_cosine_decay
 
     if train not in LONG_CONTEXT_TRAIN:
         raise ValueError(f"train='{train}' is not supported; allowed: {', '.join(LONG_CONTEXT_TRAIN)}")
@@ -379,13 +378,7 @@ def long_context_distillation(
     try:
         before = evaluate()
         if steps > 0:
-            tables = [p for name, p in trainable if name.endswith(TABLE_PARAMETERS)]
-            weights = [p for name, p in trainable if not name.endswith(TABLE_PARAMETERS)]
-            groups = [{"params": weights, "lr": learning_rate}, {"params": tables, "lr": table_learning_rate}]
-            optimizer = torch.optim.Adam([g for g in groups if g["params"]])
-            schedule = torch.optim.lr_scheduler.LambdaLR(
-                optimizer, lambda step: 0.1 + 0.45 * (1 + math.cos(math.pi * min(step / steps, 1.0)))
-            )
+            optimizer, schedule = adam_with_cosine_decay(trainable, steps, learning_rate, table_learning_rate)
             order, position = torch.randperm(len(short_texts), generator=generator).tolist(), 0
             progress = _progress(steps, show_progress, "long-context recipe")
             for step in range(1, steps + 1):

@@ -195,6 +195,19 @@ def _layer_errors(student_layers, student_encoder, recorder, mask, segment_ids=N
     return torch.stack(errors)
 
 
+def adam_with_cosine_decay(trainable, steps, learning_rate, table_learning_rate):
+    """(Adam, LambdaLR) for (name, parameter) pairs: `table_learning_rate` for the TABLE_PARAMETERS, `learning_rate`
+    for the rest, both decayed to a tenth along a cosine over `steps`."""
+    tables = [p for name, p in trainable if name.endswith(TABLE_PARAMETERS)]
+    weights = [p for name, p in trainable if not name.endswith(TABLE_PARAMETERS)]
+    groups = [{"params": weights, "lr": learning_rate}, {"params": tables, "lr": table_learning_rate}]
+    optimizer = torch.optim.Adam([g for g in groups if g["params"]])
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: 0.1 + 0.45 * (1 + math.cos(math.pi * min(step / steps, 1.0)))
+    )
+    return optimizer, schedule
+
+
 def _check_pair(student, teacher):
     student_config, teacher_config = student.config, teacher.config
     if not student_config.model_type.startswith("nprf_"):
@@ -320,13 +333,7 @@ def attention_transfer(
     try:
         loss_before = evaluate()
         if steps > 0:
-            tables = [p for name, p in trainable if name.endswith(TABLE_PARAMETERS)]
-            weights = [p for name, p in trainable if not name.endswith(TABLE_PARAMETERS)]
-            groups = [{"params": weights, "lr": learning_rate}, {"params": tables, "lr": table_learning_rate}]
-            optimizer = torch.optim.Adam([g for g in groups if g["params"]])
-            schedule = torch.optim.lr_scheduler.LambdaLR(
-                optimizer, lambda step: 0.1 + 0.45 * (1 + math.cos(math.pi * min(step / steps, 1.0)))
-            )
+            optimizer, schedule = adam_with_cosine_decay(trainable, steps, learning_rate, table_learning_rate)
             order, position = torch.randperm(len(texts), generator=generator).tolist(), 0
             progress = _progress(steps, show_progress)
             for step in range(1, steps + 1):
