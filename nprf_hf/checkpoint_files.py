@@ -120,7 +120,7 @@ def write_conversion_report(report, out_dir):
     }
     for name in ("transfer", "long_context"):  # what training ran, with its held-out numbers
         if getattr(report, name, None) is not None:
-            data[name] = report.__dict__[name].to_dict()
+            data[name] = getattr(report, name).to_dict()
     with open(os.path.join(out_dir, CONVERSION_REPORT), "w", encoding="utf-8") as handle:
         json.dump(data, handle, indent=2)
 

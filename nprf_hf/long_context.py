@@ -239,11 +239,10 @@ def teacher_window(teacher, tokenizer) -> int:
 def _check_lengths(student, teacher, tokenizer, document_length, window):
     from .families import position_offset
 
-    teacher_limit = teacher.config.max_position_embeddings - position_offset(teacher.config)
-    if content_length(tokenizer, teacher_limit) < window:
+    if teacher_window(teacher, tokenizer) < window:
         raise ValueError(
-            f"window={window} content tokens do not fit the teacher's {teacher_limit} positions with its special "
-            f"tokens: use window <= {content_length(tokenizer, teacher_limit)}"
+            f"window={window} content tokens do not fit the teacher's positions with its special tokens: use "
+            f"window <= {teacher_window(teacher, tokenizer)}"
         )
     config = student.config
     if getattr(config, "position_embedding_type", "absolute") == "absolute":
@@ -304,7 +303,7 @@ def long_context_distillation(
     Returns:
         A `LongContextReport`.
     """
-    from .transfer import _check_pair, _progress, adam_with_cosine_decay
+    from .transfer import _check_pair, _progress, adam_with_cosine_decay, shuffled_cycle
 
     if train not in LONG_CONTEXT_TRAIN:
         raise ValueError(f"train='{train}' is not supported; allowed: {', '.join(LONG_CONTEXT_TRAIN)}")
@@ -379,18 +378,12 @@ def long_context_distillation(
         before = evaluate()
         if steps > 0:
             optimizer, schedule = adam_with_cosine_decay(trainable, steps, learning_rate, table_learning_rate)
-            order, position = torch.randperm(len(short_texts), generator=generator).tolist(), 0
+            take_short = shuffled_cycle(short_texts, generator)
             progress = _progress(steps, show_progress, "long-context recipe")
             for step in range(1, steps + 1):
                 docs = sample_documents(stream, batch_size, document_length, generator)
                 passages = sample_passages(docs, passages_per_document, passage_length, generator)
-                chosen = []
-                while len(chosen) < short_batch_size:
-                    if position == len(order):
-                        order, position = torch.randperm(len(short_texts), generator=generator).tolist(), 0
-                    chosen.append(short_texts[order[position]])
-                    position += 1
-                shorts = short_ids(chosen)
+                shorts = short_ids(take_short(short_batch_size))
                 target_docs, target_passages, target_short = teacher_targets(docs, passages, shorts)
                 student_docs = embed_documents(student, tokenizer, docs)
                 student_passages = encode_token_ids(student, tokenizer, passages)

@@ -208,6 +208,23 @@ def adam_with_cosine_decay(trainable, steps, learning_rate, table_learning_rate)
     return optimizer, schedule
 
 
+def shuffled_cycle(items, generator):
+    """A function k -> the next k of `items` in a seeded random order, drawn afresh at every pass over them (the
+    first order is drawn now, so the generator's draws happen where an inline loop would make them)."""
+    state = {"order": torch.randperm(len(items), generator=generator).tolist(), "position": 0}
+
+    def take(count):
+        chosen = []
+        while len(chosen) < count:
+            if state["position"] == len(state["order"]):
+                state["order"], state["position"] = torch.randperm(len(items), generator=generator).tolist(), 0
+            chosen.append(items[state["order"][state["position"]]])
+            state["position"] += 1
+        return chosen
+
+    return take
+
+
 def _check_pair(student, teacher):
     student_config, teacher_config = student.config, teacher.config
     if not student_config.model_type.startswith("nprf_"):
@@ -334,15 +351,10 @@ def attention_transfer(
         loss_before = evaluate()
         if steps > 0:
             optimizer, schedule = adam_with_cosine_decay(trainable, steps, learning_rate, table_learning_rate)
-            order, position = torch.randperm(len(texts), generator=generator).tolist(), 0
+            take = shuffled_cycle(texts, generator)
             progress = _progress(steps, show_progress)
             for step in range(1, steps + 1):
-                chunk = []
-                while len(chunk) < batch_size:
-                    if position == len(order):
-                        order, position = torch.randperm(len(texts), generator=generator).tolist(), 0
-                    chunk.append(texts[order[position]])
-                    position += 1
+                chunk = take(batch_size)
                 batch = _encode(tokenizer, chunk, max_length, device)
                 mask = teacher_pass(batch)
                 loss = student_errors(batch, mask).mean()
