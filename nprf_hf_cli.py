@@ -91,7 +91,10 @@ def add_convert_parser(subparsers):
         ),
     )
     parser.add_argument("src", help="local directory or Hub id of a softmax checkpoint of a supported family")
-    parser.add_argument("out", help="output directory")
+    parser.add_argument(
+        "out", help="output directory: new or empty (written in a temporary sibling folder, moved into place at the end)"
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT (never allowed: OUT = SRC)")
     nprf = parser.add_argument_group(
         "NPRF settings", "config fields of the NPRF model (nprf_hf.configuration_nprf.NPRF_FIELDS); default: the field's"
     )
@@ -164,7 +167,15 @@ def add_convert_parser(subparsers):
             "--long-context-" + name.replace("_", "-"), type=kind, default=default,
             help=text if default is None else f"{text} (default: %(default)s)", **extra,
         )
-    parser.add_argument("--head", choices=list(HEADS), help="target head (default: from config.architectures)")
+    heads_help = "; ".join(
+        f"{head} ({', '.join(f.display_name for f in FAMILIES.values() if head in f.heads)})"
+        for head in HEADS if not all(head in f.heads for f in FAMILIES.values())
+    )
+    parser.add_argument(
+        "--head", choices=list(HEADS),
+        help=f"target head (default: from config.architectures); only some families have {heads_help}; causal-lm "
+        "saves a decoder (is_decoder=true) for generate() and pipeline('text-generation')",
+    )
     parser.add_argument("--revision", help="Hub revision of SRC: branch, tag or commit (default: the main branch)")
     parser.add_argument(
         "--trust-remote-code", action="store_true", help="allow modeling code shipped with SRC (a custom checkpoint)"
@@ -173,7 +184,35 @@ def add_convert_parser(subparsers):
     return parser
 
 
+def _local_model_type(src):
+    """model_type of a local checkpoint folder read from its config.json, or None (a Hub id, no config)."""
+    import json
+
+    path = os.path.join(os.path.expanduser(src), "config.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return json.load(handle).get("model_type")
+    except (OSError, ValueError):
+        return None
+
+
+def check_convert_arguments(args):
+    """The checks that need no torch, so that a mistake is reported at once (loading torch takes seconds):
+    the output folder (never the source, never a non-empty folder unless --overwrite) and, for a local
+    source, a --head its family has."""
+    _declarations("checkpoint_files").check_output_dir(args.out, args.src, args.overwrite)
+    families = _declarations("families").FAMILIES
+    family = families.get(_local_model_type(args.src))
+    if args.head is not None and family is not None and args.head not in family.heads:
+        raise ValueError(
+            f"--head {args.head} does not exist for {family.display_name}; allowed: {', '.join(family.heads)}"
+        )
+
+
 def run_convert(args):
+    check_convert_arguments(args)
     from nprf_hf.convert import convert_checkpoint
     from nprf_hf.options import NPRF_FIELDS
 
@@ -209,6 +248,7 @@ def run_convert(args):
         transfer_options=transfer_options,
         long_context_texts=long_context_texts,
         long_context_options=long_context_options,
+        overwrite=args.overwrite,
         **overrides,
     )
     print(report.format())
@@ -275,12 +315,22 @@ def run_card(args):
 SUBCOMMANDS = (add_convert_parser, add_card_parser)
 
 
+def _version():
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("nprf-hf")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed)"
+
+
 def build_parser():
     families = _declarations("families").FAMILIES.values()
     parser = argparse.ArgumentParser(
         prog="nprf-hf",
         description="NPRF attention for HuggingFace encoders (" + ", ".join(f.display_name for f in families) + ")",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add_parser in SUBCOMMANDS:
         add_parser(subparsers)

@@ -6,16 +6,24 @@ source argument before any loading.
   `sentence_bert_config.json`, ...) stays one after conversion, so that
   `SentenceTransformer(out_dir, trust_remote_code=True)` works.
 - `conversion_report.json`: what the conversion copied, extended, dropped and initialised fresh, so
-  that later tools (the model card) can say which tensors were never trained.
+  that later tools (the model card) can say which tensors were never trained; `attention_transfer.json`:
+  the transfer's per-layer errors and cosine to the source.
 - `check_local_path`: an argument that looks like a path but does not exist is reported as such at
   once, instead of as an invalid Hub id (or after retries against an unreachable Hub).
+- `check_output_dir` / `staged_output_dir`: a command never writes into its source, never replaces a
+  user's non-empty folder unasked, and never leaves a half-written one (everything is written to a
+  temporary sibling and moved into place at the end).
+
+This module imports no torch, so the CLI checks its arguments before loading anything.
 """
 
+import contextlib
 import json
 import logging
 import os
 import re
 import shutil
+import tempfile
 
 
 logger = logging.getLogger(__name__)
@@ -24,6 +32,7 @@ logger = logging.getLogger(__name__)
 SENTENCE_TRANSFORMERS_FILES = ("modules.json", "config_sentence_transformers.json", "sentence_bert_config.json")
 SENTENCE_BERT_CONFIG = "sentence_bert_config.json"
 CONVERSION_REPORT = "conversion_report.json"
+ATTENTION_TRANSFER_REPORT = "attention_transfer.json"  # written by convert and by the GLUE scripts
 
 
 # a Hub id: "name" or "org/name" (letters, digits, "-", "_", "."; not starting with "." or "-")
@@ -45,6 +54,68 @@ def check_local_path(value, what="model directory"):
     does not exist (instead of HF's "Repo id must use alphanumeric chars" or retries against the Hub)."""
     if looks_like_path(value) and not os.path.exists(os.path.expanduser(os.fspath(value))):
         raise FileNotFoundError(f"no such directory: {os.fspath(value)} (pass an existing {what} or a Hub id)")
+
+
+def _inside(path, folder):
+    """True when `path` is `folder` or lies inside it (both already resolved)."""
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def check_output_dir(out_dir, src=None, overwrite=False, overwrite_flag="--overwrite"):
+    """Raise `ValueError` naming the problem when writing `out_dir` could harm anything: `out_dir` is `src`,
+    lies inside it or contains it (replacing it would delete the source), is a file, or is a non-empty
+    folder and `overwrite` is False. `src` may be a Hub id or a model object (then only `out_dir` is checked).
+    Returns the resolved `out_dir`."""
+    out = os.path.realpath(os.path.expanduser(os.fspath(out_dir)))
+    if isinstance(src, (str, os.PathLike)) and os.path.exists(os.path.expanduser(os.fspath(src))):
+        source = os.path.realpath(os.path.expanduser(os.fspath(src)))
+        if _inside(out, source):
+            raise ValueError(
+                f"output folder {os.fspath(out_dir)} is the source {os.fspath(src)} or inside it: writing there "
+                "would overwrite the source checkpoint; give a new folder"
+            )
+        if _inside(source, out):
+            raise ValueError(
+                f"output folder {os.fspath(out_dir)} contains the source {os.fspath(src)}: replacing it would "
+                "delete the source checkpoint; give a new folder"
+            )
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"output folder {os.fspath(out_dir)} is a file: give a folder path")
+    if os.path.isdir(out) and os.listdir(out) and not overwrite:
+        raise ValueError(
+            f"output folder {os.fspath(out_dir)} is not empty: give a new folder, or {overwrite_flag} to replace "
+            "its contents"
+        )
+    return out
+
+
+@contextlib.contextmanager
+def staged_output_dir(out_dir, src=None, overwrite=False, overwrite_flag="--overwrite"):
+    """Yield a fresh temporary folder beside `out_dir` (`.tmp-<name>-*`, same file system); when the block
+    ends without error, it replaces `out_dir` (checked first with `check_output_dir`), else it is deleted.
+    So an error or an interruption (Ctrl-C) leaves `out_dir` as it was, never half-written; a process
+    killed outright can leave only the hidden temporary folder, never a partial `out_dir`."""
+    out = check_output_dir(out_dir, src, overwrite, overwrite_flag)
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(out) + "-", dir=parent)
+    try:
+        yield staging
+        if os.path.exists(out):
+            # the old contents go aside first, so that a failure between the two moves loses nothing
+            previous = tempfile.mkdtemp(prefix=".old-" + os.path.basename(out) + "-", dir=parent)
+            os.replace(out, os.path.join(previous, "contents"))
+            try:
+                os.replace(staging, out)
+            except BaseException:
+                os.replace(os.path.join(previous, "contents"), out)
+                raise
+            shutil.rmtree(previous, ignore_errors=True)
+        else:
+            os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def _sentence_transformers_source(src, revision=None):
@@ -123,6 +194,14 @@ def write_conversion_report(report, out_dir):
             data[name] = getattr(report, name).to_dict()
     with open(os.path.join(out_dir, CONVERSION_REPORT), "w", encoding="utf-8") as handle:
         json.dump(data, handle, indent=2)
+    if "transfer" in data:
+        write_transfer_report(data["transfer"], out_dir)
+
+
+def write_transfer_report(transfer, out_dir):
+    """Save an attention transfer's report (`TransferReport.to_dict()`) as `attention_transfer.json`."""
+    with open(os.path.join(out_dir, ATTENTION_TRANSFER_REPORT), "w", encoding="utf-8") as handle:
+        json.dump(transfer, handle, indent=2)
 
 
 def read_conversion_report(model_dir):

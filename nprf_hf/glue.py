@@ -696,7 +696,8 @@ def convert_and_transfer(
     if main_process:
         logger.warning(report.format())
     if main_process and output_dir is not None:
+        from .checkpoint_files import write_transfer_report
+
         os.makedirs(output_dir, exist_ok=True)
-        with open(os.path.join(output_dir, "attention_transfer.json"), "w") as handle:
-            json.dump(report.to_dict(), handle, indent=2)
+        write_transfer_report(report.to_dict(), output_dir)
     return student

@@ -67,8 +67,8 @@ $results
 ## Usage
 
 The modeling code ships with the weights (`configuration_nprf.py`, `modeling_nprf.py`, `functional.py`):
-load it with `trust_remote_code=True` (or `pip install nprf-hf` and `import nprf_hf`, which registers the
-classes with the Auto classes).
+load it with `trust_remote_code=True` (or, with the nprf-hf package installed, `import nprf_hf`, which registers
+the classes with the Auto classes).
 
 ```python
 from transformers import AutoTokenizer, $auto_class, pipeline
@@ -91,10 +91,11 @@ $settings
 NPRF models keep every tensor of the source BERT / RoBERTa checkpoint under the same name and shape
 (copied bit for bit) and add only the relative position bias table(s) and the random projections. The
 recipe below rebuilds this model's NPRF settings; the bias table starts at zeros (`--rpe-init zeros`) or from
-the source's own attention (`--rpe-init calibrated --calibration-text FILE`) and is then fine-tuned.
+the source's own attention (`--rpe-init calibrated --calibration-text FILE`) and is then trained.
+
+$training
 
 ```bash
-pip install nprf-hf
 $recipe
 ```
 
@@ -267,7 +268,49 @@ def _results_table(eval_results):
     return "\n".join(rows)
 
 
-def _recipe(config, base_model, glue_task):
+def _conversion_record(model_dir):
+    """`conversion_report.json` of `model_dir` as a dict; a GLUE run saves only `attention_transfer.json`, which
+    then stands in as the record's transfer. None when neither exists."""
+    from .checkpoint_files import ATTENTION_TRANSFER_REPORT, read_conversion_report
+
+    report = read_conversion_report(model_dir)
+    path = os.path.join(model_dir, ATTENTION_TRANSFER_REPORT)
+    if report is None and os.path.isfile(path):
+        with open(path, encoding="utf-8") as handle:
+            report = {"transfer": json.load(handle)}
+    return report
+
+
+def _training(report, fine_tuned):
+    """What trained the converted attention, from `_conversion_record` (a dict, or None), and whether the card
+    has evaluation results of a fine-tuned model."""
+    tuned = "- Fine-tuned on the task of the evaluation below." if fine_tuned else ""
+    if report is None:
+        return tuned or "No conversion report was saved with this model: what trained it after conversion is not recorded."
+    lines = []
+    transfer = report.get("transfer")
+    if transfer:
+        line = f"- Attention transfer: {transfer['steps']} steps on {transfer['num_texts']} texts"
+        if transfer.get("cosine_after") is not None:
+            where = "held-out" if transfer.get("eval_held_out") else "training"
+            line += (
+                f"; cosine of mean-pooled embeddings to the source on {transfer['num_eval_texts']} {where} texts "
+                f"{transfer['cosine_before']:.3f} -> {transfer['cosine_after']:.3f} (`attention_transfer.json`)"
+            )
+        lines.append(line + ".")
+    if report.get("long_context"):
+        lines.append(f"- Long-context recipe: {report['long_context']['steps']} steps (`conversion_report.json`).")
+    if tuned:
+        lines.append(tuned)
+    if not lines:
+        return (
+            "**No attention transfer or other training ran after conversion**: the attention changed, so until this "
+            "model is trained its outputs are not its source's."
+        )
+    return "\n".join(lines)
+
+
+def _recipe(config, base_model, glue_task, report=None):
     source = base_model or "SOURCE_BERT_OR_ROBERTA"
     options = []
     for field in _convert_options():
@@ -275,6 +318,10 @@ def _recipe(config, base_model, glue_task):
             value = config[field]
             value = str(value).lower() if isinstance(value, bool) else value
             options.append(f"--{field.replace('_', '-')} {value}")
+    if report and report.get("transfer"):
+        options.append(f"--attention-transfer-text TEXT --attention-transfer-steps {report['transfer']['steps']}")
+    if report and report.get("long_context"):
+        options.append(f"--long-context-text LONG_TEXT --long-context-steps {report['long_context']['steps']}")
     lines = [f"nprf-hf convert {source} nprf-model \\", *(f"    {o} \\" for o in options)]
     lines[-1] = lines[-1][: -len(" \\")]
     if glue_task is not None:
@@ -333,6 +380,7 @@ def build_model_card(
     from huggingface_hub import ModelCard, ModelCardData
 
     config = read_nprf_config(model_dir)
+    conversion_report = _conversion_record(model_dir)
     architecture, pipeline_tag, auto_class = pipeline_for(config)
     if base_model is not None and not HUB_ID.match(base_model):
         raise ValueError(f"base_model must be a Hub model id such as 'google-bert/bert-base-uncased', got {base_model!r}")
@@ -392,7 +440,8 @@ def build_model_card(
         repo_id=repo_id,
         example_text="NPRF attention scales to long inputs.",
         settings=settings,
-        recipe=_recipe(config, base_model, glue_task),
+        recipe=_recipe(config, base_model, glue_task, conversion_report),
+        training=_training(conversion_report, fine_tuned=bool(entries)),
         length_limit=_length_limit(config),
         untrained_head=_untrained_head_limit(model_dir),
         output_attentions_max_length=config.get("output_attentions_max_length"),

@@ -47,7 +47,7 @@ import transformers
 from torch import nn
 from torch.nn import functional as F
 
-from transformers import GenerationMixin
+from transformers import GenerationMixin, PreTrainedConfig
 from transformers import initialization as init
 from transformers.cache_utils import EncoderDecoderCache
 from transformers.masking_utils import create_bidirectional_mask
@@ -56,7 +56,7 @@ from transformers.utils import logging
 from .cache_nprf import NPRFGenerationMixin, default_decoder_cache, find_nprf_cache
 from .configuration_nprf import NPRF_CONFIG_CLASSES, validate_nprf_fields
 from .families import ATTENTION_LAYOUTS, FAMILIES, HEADS, family_of
-from .options import RECOMPUTE_MODES
+from .options import NPRF_FIELDS, RECOMPUTE_MODES
 from .functional import (
     draw_projection,
     nprf_attention,
@@ -67,6 +67,9 @@ from .functional import (
 
 
 logger = logging.get_logger(__name__)
+
+# from_pretrained keywords that say where the saved config is (to compare a requested NPRF field with it)
+_HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "trust_remote_code")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -594,6 +597,37 @@ class NPRFPreTrainedMixin:
     # attention mask (told apart from a padding mask by its values), `feature_redraw_interval > 0` in training.
     # transformers 5.23 only declares the flag (generate() compiles only with a compileable cache; NPRFCache is not).
     _can_compile_fullgraph = True
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """As transformers' `from_pretrained`, with two user mistakes named instead of failing obscurely or
+        passing silently: a config field the weights depend on (`saved_with_weights` in `NPRF_FIELDS`, e.g.
+        `num_random_features`: the projection is saved with the model) set to another value than the saved
+        one, and `attn_implementation` (the self-attention is NPRF whatever it says)."""
+        requested = dict(kwargs)
+        config = kwargs.get("config")
+        if isinstance(config, PreTrainedConfig):
+            requested.update({f.name: getattr(config, f.name) for f in NPRF_FIELDS if hasattr(config, f.name)})
+        asked = [f.name for f in NPRF_FIELDS if f.saved_with_weights and f.name in requested]
+        if asked and pretrained_model_name_or_path is not None:
+            hub_kwargs = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
+            saved = cls.config_class.from_pretrained(pretrained_model_name_or_path, **hub_kwargs)
+            changed = [name for name in asked if requested[name] != getattr(saved, name)]
+            if changed:
+                values = ", ".join(f"{name}={requested[name]!r} (saved: {getattr(saved, name)!r})" for name in changed)
+                raise ValueError(
+                    f"{values}: the model's weights were made with the saved value (e.g. the random projection and "
+                    "the RPE table are saved with them), so it cannot change at load; load without it, or convert "
+                    "the softmax source again with the new value (`nprf-hf convert SRC OUT --num-random-features M ...`)"
+                )
+        # AutoModel hands a requested implementation over inside the config, a direct call as a keyword
+        implementation = kwargs.get("attn_implementation") or getattr(config, "_attn_implementation_internal", None)
+        if implementation in ("eager", "sdpa"):  # others: transformers' own check names them unsupported
+            logger.warning(
+                "attn_implementation=%r only picks how masks (and decoder cross-attention, if any) are built: the "
+                "self-attention of NPRF models is always NPRF attention.", implementation
+            )
+        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
 
     @torch.no_grad()
     def _init_weights(self, module):

@@ -59,7 +59,9 @@ def _is_number(value):
 @dataclass(frozen=True)
 class NPRFField:
     """One NPRF config field. `check(value)` -> bool and `rule` (the allowed values in words) give the
-    error message; `choices` replaces both for enumerations. `convert_option`: `nprf-hf convert` sets it."""
+    error message; `choices` replaces both for enumerations. `convert_option`: `nprf-hf convert` sets it.
+    `saved_with_weights`: the trained weights depend on it (a tensor's shape, its values, or what they mean),
+    so it cannot change when a saved model is loaded."""
 
     name: str
     type: type
@@ -69,6 +71,7 @@ class NPRFField:
     check: Optional[Callable] = None
     rule: str = ""
     convert_option: bool = True
+    saved_with_weights: bool = True
 
     def validate(self, value):
         if self.choices is not None:
@@ -91,6 +94,7 @@ NPRF_FIELDS = (
         "feature_redraw_interval", int, 0, "0 = fixed projection; N = redraw it every N training forward passes",
         check=lambda v: _is_int(v) and v >= 0,
         rule="an integer >= 0 (0 = fixed projection, N = redraw every N training forward passes)",
+        saved_with_weights=False,
     ),
     NPRFField(
         "projection_seed", int, 0, "seed of every layer's random projection",
@@ -107,14 +111,14 @@ NPRF_FIELDS = (
     NPRFField("rpe_shared_across_layers", bool, True, "one RPE table for all layers (the paper) or one per layer"),
     NPRFField(
         "attention_algorithm", str, "auto", "exact algorithm of the Toeplitz product; auto picks by length",
-        choices=ATTENTION_ALGORITHMS,
+        choices=ATTENTION_ALGORITHMS, saved_with_weights=False,
     ),
     NPRFField(
         "attention_recompute", str, "auto",
         "training: recompute the features and the Toeplitz product in backward instead of keeping them "
         "(less memory, one more attention forward); auto = for banded / fft once a layer's features take 16 MiB "
         "(long inputs), not for dense",
-        choices=tuple(RECOMPUTE_MODES),
+        choices=tuple(RECOMPUTE_MODES), saved_with_weights=False,
     ),
     NPRFField(
         "position_embedding_type", str, "absolute",
@@ -139,5 +143,6 @@ NPRF_FIELDS = (
         "output_attentions_max_length", int, 4096,
         "longest input for which output_attentions / a non-padding mask may build the dense n x n weights",
         check=lambda v: _is_int(v) and v >= 1, rule="a positive integer", convert_option=False,
+        saved_with_weights=False,
     ),
 )

@@ -39,7 +39,8 @@ TABLE_PARAMETERS = ("rpe_table", "logit_scale_logit", "cross_segment_bias", "tok
 
 @dataclass
 class TransferReport:
-    """What `attention_transfer` did: per-layer relative output error before/after, on the same batches."""
+    """What `attention_transfer` did: per-layer relative output error and the cosine of mean-pooled embeddings
+    to the source's, before/after, on the same evaluation texts (held out from training unless too few)."""
 
     steps: int
     seconds: float
@@ -48,6 +49,10 @@ class TransferReport:
     loss_before: List[float]
     loss_after: List[float]
     history: List[Tuple[int, float]] = field(default_factory=list)
+    cosine_before: Optional[float] = None  # mean cosine, student vs source mean-pooled last hidden states
+    cosine_after: Optional[float] = None
+    num_eval_texts: int = 0
+    eval_held_out: bool = False  # True: the evaluation texts were never trained on
 
     def format(self) -> str:
         lines = [
@@ -60,6 +65,12 @@ class TransferReport:
         mean_before = sum(self.loss_before) / len(self.loss_before)
         mean_after = sum(self.loss_after) / len(self.loss_after)
         lines.append(f" mean  {mean_before:.4f} -> {mean_after:.4f}")
+        if self.cosine_before is not None:
+            where = "held-out" if self.eval_held_out else "training"
+            lines.append(
+                f"cosine to the source (mean-pooled embeddings, {self.num_eval_texts} {where} texts): "
+                f"{self.cosine_before:.3f} -> {self.cosine_after:.3f}"
+            )
         return "\n".join(lines)
 
     def to_dict(self):
@@ -71,6 +82,10 @@ class TransferReport:
             "loss_before": self.loss_before,
             "loss_after": self.loss_after,
             "history": self.history,
+            "cosine_before": self.cosine_before,
+            "cosine_after": self.cosine_after,
+            "num_eval_texts": self.num_eval_texts,
+            "eval_held_out": self.eval_held_out,
         }
 
 
@@ -271,10 +286,11 @@ def attention_transfer(
         table_learning_rate: Adam's rate of the RPE table(s) and logit scales (same schedule).
         seed: the order of the texts (the run is deterministic for a seed on one device).
         train_value_output: also train the value and output projections (off: they stay bit-identical).
-        eval_texts: texts for the before/after report (default: the first `eval_batches` batches of
-            `texts`).
+        eval_texts: texts for the before/after report (default: the last `eval_batches` batches of `texts`,
+            held out from training, or, with fewer than 5 such batches of texts, the first ones).
     Returns:
-        A `TransferReport` (per-layer relative errors before and after, loss history, time).
+        A `TransferReport` (per-layer relative errors and cosine of mean-pooled embeddings to the source's,
+        before and after; loss history; time).
     """
     if steps < 0 or batch_size < 1 or max_length < 2 or not learning_rate > 0 or not table_learning_rate > 0:
         raise ValueError(
@@ -286,7 +302,13 @@ def attention_transfer(
     if not texts:
         raise ValueError("attention transfer needs at least one text")
     _check_pair(student, teacher)
-    eval_pool = list(eval_texts) if eval_texts is not None else texts[: batch_size * eval_batches]
+    held_out = eval_texts is None and len(texts) >= 5 * batch_size * eval_batches
+    if eval_texts is not None:
+        eval_pool = list(eval_texts)
+    elif held_out:  # the faithfulness a user sees is on text the transfer never trained on
+        eval_pool, texts = texts[-batch_size * eval_batches :], texts[: -batch_size * eval_batches]
+    else:
+        eval_pool = texts[: batch_size * eval_batches]
     if not eval_pool:
         raise ValueError("eval_texts is empty: give texts for the before/after report, or leave it None")
     config = teacher.config
@@ -321,8 +343,8 @@ def attention_transfer(
 
     def teacher_pass(batch):
         with torch.no_grad():
-            teacher_base(**batch)
-        return batch["attention_mask"].bool()
+            teacher_output = teacher_base(**batch)
+        return batch["attention_mask"].bool(), teacher_output.last_hidden_state
 
     def student_errors(batch, mask):
         from .modeling_nprf import segment_ids_from_inputs
@@ -335,20 +357,24 @@ def attention_transfer(
         return _layer_errors(student_layers, student_encoder, recorder, mask, segment_ids, token_ids, student_layout)
 
     def evaluate():
-        total, count = None, 0
+        from .long_context import mean_pool
+
+        total, cosine, count = None, 0.0, 0
         with torch.no_grad():
             for chunk in eval_sets:
                 batch = _encode(tokenizer, chunk, max_length, device)
-                mask = teacher_pass(batch)
+                mask, teacher_hidden = teacher_pass(batch)
                 errors = student_errors(batch, mask) * len(chunk)
                 total = errors if total is None else total + errors
+                student_hidden = student.base_model(**batch).last_hidden_state
+                cosine += float((mean_pool(student_hidden, mask) * mean_pool(teacher_hidden, mask)).sum())
                 count += len(chunk)
-        return [float(e) for e in total / count]
+        return [float(e) for e in total / count], cosine / count
 
     history = []
     start = time.perf_counter()
     try:
-        loss_before = evaluate()
+        loss_before, cosine_before = evaluate()
         if steps > 0:
             optimizer, schedule = adam_with_cosine_decay(trainable, steps, learning_rate, table_learning_rate)
             take = shuffled_cycle(texts, generator)
@@ -356,7 +382,7 @@ def attention_transfer(
             for step in range(1, steps + 1):
                 chunk = take(batch_size)
                 batch = _encode(tokenizer, chunk, max_length, device)
-                mask = teacher_pass(batch)
+                mask, _ = teacher_pass(batch)
                 loss = student_errors(batch, mask).mean()
                 if not torch.isfinite(loss):
                     raise ValueError(
@@ -370,7 +396,7 @@ def attention_transfer(
                 progress.set_postfix(loss=f"{history[-1][1]:.4f}")
                 progress.update(1)
             progress.close()
-        loss_after = evaluate()
+        loss_after, cosine_after = evaluate()
     finally:
         recorder.remove()
         for param, flag in flags.items():
@@ -385,6 +411,10 @@ def attention_transfer(
         loss_before=loss_before,
         loss_after=loss_after,
         history=history,
+        cosine_before=cosine_before,
+        cosine_after=cosine_after,
+        num_eval_texts=len(eval_pool),
+        eval_held_out=held_out,
     )
 
 

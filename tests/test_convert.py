@@ -71,34 +71,6 @@ def minilm_converted(tmp_path_factory):
     return out, report
 
 
-@pytest.fixture(scope="module")
-def roberta_source(tmp_path_factory):
-    """A tiny RoBERTa MLM checkpoint (random weights) with a byte-level BPE tokenizer trained here."""
-    from tokenizers import ByteLevelBPETokenizer
-
-    directory = tmp_path_factory.mktemp("roberta_src")
-    with open(WIKITEXT, encoding="utf-8") as handle:
-        lines = [next(handle) for _ in range(400)]
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(lines, vocab_size=400, special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"])
-    tokenizer = RobertaTokenizerFast(tokenizer_object=bpe._tokenizer, model_max_length=64)
-    tokenizer.add_special_tokens(
-        {"bos_token": "<s>", "eos_token": "</s>", "sep_token": "</s>", "cls_token": "<s>", "unk_token": "<unk>",
-         "pad_token": "<pad>", "mask_token": "<mask>"}
-    )
-    config = RobertaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        max_position_embeddings=66, pad_token_id=1, bos_token_id=0, eos_token_id=2, type_vocab_size=1,
-    )
-    torch.manual_seed(0)
-    model = RobertaForMaskedLM(config)
-    with torch.no_grad():  # tied decoder = word embeddings; give the position table distinct rows
-        model.roberta.embeddings.position_embeddings.weight.normal_()
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return str(directory)
-
-
 def _tiny_bert_config(**kwargs):
     return BertConfig(
         vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
@@ -361,10 +333,10 @@ def test_bucket_attention_bias_recovers_distance_preference():
 
 @pytest.mark.parametrize("config", [GPT2Config(n_layer=1, n_embd=16, n_head=2), T5Config(num_layers=1, d_model=16)])
 def test_unsupported_architecture_refused(config, tmp_path):
-    config.save_pretrained(tmp_path)
+    config.save_pretrained(tmp_path / "src")
     with pytest.raises(ValueError, match=rf"model_type '{config.model_type}'.*bert, roberta"):
-        convert_to_nprf(str(tmp_path))
-    assert cli_main(["convert", str(tmp_path), str(tmp_path / "out")]) == 2
+        convert_to_nprf(str(tmp_path / "src"))
+    assert cli_main(["convert", str(tmp_path / "src"), str(tmp_path / "out")]) == 2
     assert not (tmp_path / "out").exists()
 
 

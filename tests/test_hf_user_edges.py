@@ -18,6 +18,7 @@ import nprf_hf
 from nprf_hf import NPRFBertModel, convert_checkpoint
 from nprf_hf.checkpoint_files import check_local_path, looks_like_path, read_conversion_report
 from nprf_hf.cli import main as cli_main
+from nprf_hf.convert import NEEDS_TRANSFER_MESSAGE
 from nprf_hf.modelcard import build_model_card
 
 
@@ -162,7 +163,8 @@ def test_source_with_the_head_reports_no_untrained_head(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="nprf_hf.convert"):
         report = convert_checkpoint(src, str(tmp_path / "out"), num_random_features=8)
     assert report.untrained_head == []
-    assert not [r for r in caplog.records if r.name == "nprf_hf.convert" and r.levelno >= logging.WARNING]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "nprf_hf.convert" and r.levelno >= logging.WARNING]
+    assert warnings == [NEEDS_TRANSFER_MESSAGE]  # no untrained-head warning; only the one about the transfer
     assert "cls.predictions.decoder.weight" not in report.new
     assert "Untrained head" not in str(build_model_card(str(tmp_path / "out")))
 

