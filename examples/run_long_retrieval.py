@@ -29,10 +29,8 @@ import argparse
 import json
 import os
 import resource
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
@@ -73,11 +71,12 @@ def parse_args(argv=None):
         parser.error("need 1 <= --passage_length < --document_length")
     if not os.path.isfile(args.train_file):
         parser.error(f"--train_file {args.train_file}: no such file")
-    out = os.path.abspath(args.output_dir)
-    if os.path.isdir(args.model_name_or_path) and os.path.abspath(args.model_name_or_path) in (out, os.path.dirname(out)):
-        parser.error("--output_dir must not be the model's folder (that would overwrite the model being trained)")
-    if os.path.isdir(out) and os.listdir(out) and not args.overwrite_output_dir:
-        parser.error(f"--output_dir {args.output_dir} is not empty: give a new folder or --overwrite_output_dir")
+    from nprf_hf.checkpoint_files import check_output_dir
+
+    try:  # the model being trained is never overwritten, a non-empty folder only when asked
+        check_output_dir(args.output_dir, args.model_name_or_path, args.overwrite_output_dir, "--overwrite_output_dir")
+    except ValueError as error:
+        parser.error(f"--output_dir: {error}")
     return args
 
 
@@ -188,11 +187,11 @@ def main(argv=None):
 
 def save(model, tokenizer, args, log, results, carry_sentence_transformers_files):
     """Write everything to a temporary sibling of --output_dir, then move it into place (never half-written)."""
-    out = os.path.abspath(args.output_dir)
-    parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(out) + "-", dir=parent)
-    try:
+    from nprf_hf.checkpoint_files import staged_output_dir
+
+    with staged_output_dir(
+        args.output_dir, args.model_name_or_path, args.overwrite_output_dir, "--overwrite_output_dir"
+    ) as staging:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         carry_sentence_transformers_files(args.model_name_or_path, staging, None, None)
@@ -200,12 +199,6 @@ def save(model, tokenizer, args, log, results, carry_sentence_transformers_files
             handle.writelines(json.dumps(entry) + "\n" for entry in log)
         with open(os.path.join(staging, "train_results.json"), "w") as handle:
             json.dump(results, handle, indent=1)
-        if os.path.exists(out):
-            shutil.rmtree(out)  # only with --overwrite_output_dir or when empty (parse_args)
-        os.replace(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
 
 
 if __name__ == "__main__":
