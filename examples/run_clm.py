@@ -132,25 +132,33 @@ def build_model(args, tokenizer):
     return AutoModelForCausalLM.from_config(config)
 
 
-def evaluate(model, blocks, batch_size, accelerator):
-    """exp(mean token loss) over `blocks`, split across processes; every token predicted once."""
+def evaluate(model, blocks, batch_size, accelerator=None):
+    """exp(mean token loss) over `blocks`, split across processes (`accelerator`; None: one process, no autocast);
+    every token predicted once."""
+    import contextlib
+
     import torch
 
+    rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
+    device = accelerator.device if accelerator else next(model.parameters()).device
+    autocast = accelerator.autocast if accelerator else contextlib.nullcontext
+    was_training = model.training
     model.eval()
-    shard = blocks[accelerator.process_index :: accelerator.num_processes]
-    total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)  # summed loss, predicted tokens
+    shard = blocks[rank::world]
+    total = torch.zeros(2, dtype=torch.float64, device=device)  # summed loss, predicted tokens
     with torch.no_grad():
         for start in range(0, len(shard), batch_size):
-            batch = shard[start : start + batch_size].to(accelerator.device)
-            with accelerator.autocast():
+            batch = shard[start : start + batch_size].to(device)
+            with autocast():
                 logits = model(input_ids=batch, use_cache=False).logits
             losses = torch.nn.functional.cross_entropy(
                 logits[:, :-1].float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum"
             )
-            total += torch.stack([losses.double(), torch.tensor(batch[:, 1:].numel(), dtype=torch.float64,
-                                                                 device=accelerator.device)])
-    total = accelerator.reduce(total, reduction="sum")
-    model.train()
+            count = torch.tensor(batch[:, 1:].numel(), dtype=torch.float64, device=device)
+            total += torch.stack([losses.double(), count])
+    if accelerator:
+        total = accelerator.reduce(total, reduction="sum")
+    model.train(was_training)
     mean = (total[0] / total[1]).item()
     return {"eval_loss": mean, "perplexity": math.exp(min(mean, 700.0)), "eval_tokens": int(total[1].item())}
 

@@ -9,7 +9,7 @@ from .cache_nprf import NPRFCache
 from .configuration_nprf import NPRF_CONFIG_CLASSES
 from .convert import convert_checkpoint, convert_to_nprf
 from .families import HEADS
-from .modeling_nprf import NPRF_MODEL_CLASSES
+from .modeling_nprf import NPRF_MODEL_CLASSES, set_attention_variant
 from .long_context import LongContextReport, chunk_and_pool, embed_documents, long_context_distillation, read_long_text
 from .transfer import TransferReport, attention_transfer, read_transfer_texts
 
@@ -30,4 +30,5 @@ globals().update(_EXPORTS)
 
 __all__ = ["functional", "NPRFCache", "convert_to_nprf", "convert_checkpoint", "attention_transfer", "read_transfer_texts", "TransferReport",
            "long_context_distillation", "LongContextReport", "read_long_text", "chunk_and_pool", "embed_documents",
+           "set_attention_variant",
            *_EXPORTS]

@@ -28,12 +28,13 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, Encod
 
 from .functional import (
     _compute_dtype,
-    _normalized_features,
     _values_and_ones,
     nprf_attention,
     relative_position_bias,
     t5_relative_position_bucket,
+    variant_features,
 )
+from .options import QUADRATIC_VARIANTS
 
 
 # New tokens of one forward call are attended in blocks of at most this many queries: the dense
@@ -247,8 +248,10 @@ class NPRFCache(Cache):
         max_distance=128,
         algorithm="auto",
         logit_scale=None,
+        variant="nprf",
     ):
         """Causal NPRF attention of the new tokens to everything the layer has seen, advancing its state.
+        `variant`: one whose kernel factors into features (`functional.variant_features`).
 
         The first call (prefill) attends the prompt with `nprf_attention(algorithm=...)` and builds the
         state from its keys; later calls attend the new tokens to the state (`recurrent_attention`).
@@ -269,7 +272,7 @@ class NPRFCache(Cache):
         new_mask = None if mask is None else mask[:, past:]
         dtype = _compute_dtype(query.dtype)
         # The new keys' features (padded keys zeroed after the map: phi(0) != 0) and [v | 1].
-        phi_k = _normalized_features(key.to(dtype), projection, logit_scale)
+        phi_k = variant_features(key.to(dtype), projection, variant, logit_scale)
         if new_mask is not None:
             phi_k = phi_k * new_mask[:, None, :, None].to(dtype)
         u = _values_and_ones(value.to(dtype))
@@ -286,10 +289,11 @@ class NPRFCache(Cache):
                 causal=True,
                 band_width=band_width,
                 logit_scale=logit_scale,
+                variant=variant,
             )
             state = recurrent_state_from_prefill(phi_k, u, band_width)
         else:
-            phi_q = _normalized_features(query.to(dtype), projection, logit_scale)
+            phi_q = variant_features(query.to(dtype), projection, variant, logit_scale)
             bias = causal_distance_bias(rpe_table, band_width, num_buckets, max_distance).to(dtype)
             c = torch.exp(bias - bias.amax(dim=-1, keepdim=True).detach())  # ratios are shift-invariant; c <= 1
             state = (layer.far_states, layer.ring_features, layer.ring_values)
@@ -351,8 +355,9 @@ def find_nprf_cache(past_key_values):
 
 def default_decoder_cache(config, cross_attention=False):
     """The cache an NPRF decoder uses when none is given: an NPRFCache for the self-attention (with a DynamicCache
-    for HF's softmax cross-attention when the decoder reads encoder states)."""
-    cache = NPRFCache(config)
+    for HF's softmax cross-attention when the decoder reads encoder states); for the exact (quadratic) attention
+    variants, whose kernel has no features to sum, HF's growing key/value cache."""
+    cache = DynamicCache(config=config) if config.attention_variant in QUADRATIC_VARIANTS else NPRFCache(config)
     return EncoderDecoderCache(cache, DynamicCache(config=config)) if cross_attention else cache
 
 

@@ -45,7 +45,7 @@ Why each default:
 import transformers
 
 from .families import FAMILIES, HEADS, family_of
-from .options import NPRF_FIELDS
+from .options import NORMALIZED_VARIANTS, NPRF_FIELDS, QUADRATIC_VARIANTS
 
 
 NPRF_FIELD_NAMES = tuple(field.name for field in NPRF_FIELDS)
@@ -70,6 +70,16 @@ def validate_nprf_fields(config):
         )
     if config.token_match and not config.segment_bias:
         raise ValueError("token_match=True matches tokens across segments: it needs segment_bias=True too")
+    if config.logit_scale_max and config.attention_variant not in NORMALIZED_VARIANTS:
+        raise ValueError(
+            f"logit_scale_max scales normalized logits: it applies to attention_variant in {NORMALIZED_VARIANTS}, "
+            f"not {config.attention_variant!r} (set logit_scale_max=0)"
+        )
+    if config.attention_variant in QUADRATIC_VARIANTS and config.attention_algorithm not in ("auto", "dense"):
+        raise ValueError(
+            f"attention_variant={config.attention_variant!r} is computed from the dense n x n weights: "
+            f"attention_algorithm must be 'auto' or 'dense', not {config.attention_algorithm!r}"
+        )
 
 
 def nprf_auto_map(family):

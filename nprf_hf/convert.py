@@ -267,7 +267,8 @@ def _rpe_tables(model):
     shared = base.layer_stack.rpe_table
     if shared is not None:
         return [(shared, None)]
-    return [(attention.rpe_table, attention.layer_idx) for attention in base.nprf_attentions()]
+    # none without a relative position bias (`relative_position_bias=False`)
+    return [(a.rpe_table, a.layer_idx) for a in base.nprf_attentions() if a.rpe_table is not None]
 
 
 def _calibration_blocks(tokenizer, text_file, block_size, num_blocks):
@@ -362,6 +363,8 @@ def _convert(
         head = _head_from_architecture(architecture, family)
     elif head not in family.heads:
         raise ValueError(f"head='{head}' does not exist for {family.display_name}; allowed: {', '.join(family.heads)}")
+    if rpe_init == "calibrated" and config_overrides.get("relative_position_bias") is False:
+        raise ValueError("rpe_init='calibrated' fills the relative position bias table: it needs relative_position_bias=True")
     if rpe_init == "calibrated" and tokenizer is None:
         raise ValueError("rpe_init='calibrated' needs the source tokenizer: pass tokenizer=")
     if transfer_texts is not None and tokenizer is None:
@@ -372,7 +375,8 @@ def _convert(
     if head == "causal-lm" and not getattr(source_config, "is_decoder", False):
         # an encoder converted to a causal-LM head only generates as a decoder (causal attention, a cache)
         config_overrides.setdefault("is_decoder", True)
-    if config_overrides.get("is_decoder", source_config.is_decoder) != source_config.is_decoder and (
+    source_is_decoder = bool(getattr(source_config, "is_decoder", False))
+    if config_overrides.get("is_decoder", source_is_decoder) != source_is_decoder and (
         transfer_texts is not None or long_context_texts is not None
     ):
         raise ValueError(

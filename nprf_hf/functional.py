@@ -21,7 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .options import ALGORITHMS, FEATURE_MAPS  # declared with the other options (no torch there)
+from .options import (  # declared with the other options (no torch there)
+    ALGORITHMS,
+    ATTENTION_VARIANTS,
+    FEATURE_MAPS,
+    NORMALIZED_VARIANTS,
+    QUADRATIC_VARIANTS,
+)
 
 
 # Smallest chunk of the banded algorithm: below this the chunked matmuls are too small to be fast.
@@ -220,6 +226,29 @@ def _project(x, projection):
     return x @ projection.t()
 
 
+def variant_features(x, projection, variant="nprf", logit_scale=None):
+    """phi(x) [B, H, n, m] of a variant whose kernel factors into features, for x [B, H, n, d] in a float dtype:
+    "nprf": phi(sqrt(s) x / |x|) (`_normalized_features`); "prf": phi(x d^(-1/4)) (Performer: the estimate of
+    exp(q . k / sqrt(d)), not normalized); "elu_linear": elu(x) + 1 (m = d, no projection)."""
+    if variant == "nprf":
+        return _normalized_features(x, projection, logit_scale)
+    if variant == "prf":
+        return positive_random_features(x * x.shape[-1] ** -0.25, projection)
+    if variant == "elu_linear":
+        return F.elu(x) + 1.0
+    raise ValueError(f"variant={variant!r} has no feature map; those with one: nprf, prf, elu_linear")
+
+
+def _check_variant(variant, algorithm, logit_scale):
+    if variant not in ATTENTION_VARIANTS:
+        raise ValueError(f"variant={variant!r} is not supported; allowed: one of {', '.join(ATTENTION_VARIANTS)}")
+    if variant in QUADRATIC_VARIANTS and algorithm not in ("auto", "dense"):
+        raise ValueError(f"variant={variant!r} is computed from the dense n x n weights: algorithm must be auto or dense")
+    if logit_scale is not None and variant not in NORMALIZED_VARIANTS:
+        raise ValueError(f"logit_scale scales normalized logits: it applies to the normalized variants "
+                         f"{NORMALIZED_VARIANTS}, not {variant!r}")
+
+
 # ---------------------------------------------------------------------------------------------
 # Attention
 # ---------------------------------------------------------------------------------------------
@@ -242,6 +271,7 @@ def nprf_attention(
     match_weight: Optional[torch.Tensor] = None,
     recompute: Optional[bool] = None,
     num_segments: Optional[int] = None,
+    variant: str = "nprf",
 ):
     """Normalized positive random feature attention with a relative position bias.
 
@@ -277,10 +307,34 @@ def nprf_attention(
         num_segments: None or S, when every segment id is known to lie in [0, S) (e.g. token types below
             `type_vocab_size`). Only read under torch.compile, where the segments present cannot be read
             on the host: one product per possible segment then (an absent segment adds exact zeros).
+        variant: one of `options.ATTENTION_VARIANTS`: "nprf" (the above); "prf" and "elu_linear" replace the
+            feature map (same algorithms and terms); "normalized_softmax" and "softmax" compute the exact kernels
+            exp(s q_hat . k_hat) and exp(q . k / sqrt(d)) from the n x n weights (`nprf_attention_weights`).
     Returns:
         [B, H, n, d_v]. Queries with no key to attend to give zeros.
     """
+    # The math picks its own precision (float32 for half inputs): under autocast, matmuls would otherwise
+    # come back in half precision and the in-place products would mix dtypes.
+    with torch.autocast(query.device.type, enabled=False):
+        return _attention(
+            query, key, value, rpe_bias, projection, key_padding_mask, algorithm, causal, band_width, logit_scale,
+            segment_ids, segment_bias, token_ids, match_weight, recompute, num_segments, variant,
+        )
+
+
+def _attention(
+    query, key, value, rpe_bias, projection, key_padding_mask, algorithm, causal, band_width, logit_scale, segment_ids,
+    segment_bias, token_ids, match_weight, recompute, num_segments, variant,
+):
+    """`nprf_attention` (its arguments), autocast off."""
     batch, heads, n, head_dim = _check_inputs(query, key, value, rpe_bias, projection, key_padding_mask, algorithm)
+    _check_variant(variant, algorithm, logit_scale)
+    if variant in QUADRATIC_VARIANTS:
+        weights = nprf_attention_weights(
+            query, key, rpe_bias, projection, key_padding_mask, causal, logit_scale, segment_ids, segment_bias,
+            token_ids, match_weight, variant,
+        )
+        return (weights.to(_compute_dtype(value.dtype)) @ value.to(_compute_dtype(value.dtype))).to(value.dtype)
     _check_logit_scale(logit_scale, heads)
     _check_segments(segment_ids, segment_bias, batch, heads, n)
     _check_matches(token_ids, match_weight, segment_ids, batch, heads, n, causal)
@@ -296,16 +350,17 @@ def nprf_attention(
         recompute = algorithm in ("banded", "fft") and feature_bytes >= RECOMPUTE_MIN_BYTES
     # (not under torch.compile, whose partitioner decides itself what backward recomputes)
     if not (recompute and needs_grad and not torch.compiler.is_compiling()):
-        return _nprf_attention(*inputs, algorithm, band_width, causal, num_segments)
+        return _nprf_attention(*inputs, algorithm, band_width, causal, num_segments, variant)
     # No random numbers inside: the recomputation repeats the forward exactly without saving RNG state.
     return checkpoint(
-        _nprf_attention, *inputs, algorithm, band_width, causal, num_segments, use_reentrant=False, preserve_rng_state=False
+        _nprf_attention, *inputs, algorithm, band_width, causal, num_segments, variant, use_reentrant=False,
+        preserve_rng_state=False,
     )
 
 
 def _nprf_attention(
     query, key, value, bias, projection, key_padding_mask, logit_scale, segment_ids, segment_bias, token_ids, match_weight,
-    algorithm, band_width, causal, num_segments,
+    algorithm, band_width, causal, num_segments, variant="nprf",
 ):
     """`nprf_attention` once its inputs are checked and the algorithm chosen; `bias` [H, 2n - 1] has -inf for
     the future when causal."""
@@ -323,7 +378,7 @@ def _nprf_attention(
     key_lengths = None
     if algorithm == "dense" and inference and not torch.compiler.is_compiling():
         key_lengths = _key_lengths(mask, batch, n)
-    phi_q, phi_k = _features(query, key, projection, mask, dtype, logit_scale, head_major=key_lengths is not None)
+    phi_q, phi_k = _features(query, key, projection, mask, dtype, logit_scale, key_lengths is not None, variant)
     u = None if algorithm == "banded" or key_lengths is not None else _values_and_ones(value)
 
     def toeplitz_product(keys):
@@ -372,6 +427,7 @@ def nprf_attention_weights(
     segment_bias=None,
     token_ids=None,
     match_weight=None,
+    variant="nprf",
 ):
     """The attention matrix implied by `nprf_attention` (same arguments), computed densely.
 
@@ -380,15 +436,19 @@ def nprf_attention_weights(
         key to attend to are zero).
     """
     batch, heads, n, _ = _check_inputs(query, key, key, rpe_bias, projection, key_padding_mask, "dense")
+    _check_variant(variant, "dense", logit_scale)
     _check_logit_scale(logit_scale, heads)
     _check_segments(segment_ids, segment_bias, batch, heads, n)
     _check_matches(token_ids, match_weight, segment_ids, batch, heads, n, causal)
     dtype = _compute_dtype(query.dtype)
     mask = None if key_padding_mask is None else key_padding_mask.to(device=query.device, dtype=dtype)
-    phi_q, phi_k = _features(query, key, projection, mask, dtype, logit_scale)
     bias = _masked_bias(rpe_bias.to(dtype), n, causal)
     c = torch.exp(bias - bias.amax(dim=-1, keepdim=True).detach())
-    kernel = phi_q @ phi_k.transpose(-1, -2)
+    if variant in QUADRATIC_VARIANTS:
+        kernel = _exact_kernel(query.to(dtype), key.to(dtype), mask, causal, logit_scale, variant)
+    else:
+        phi_q, phi_k = _features(query, key, projection, mask, dtype, logit_scale, variant=variant)
+        kernel = phi_q @ phi_k.transpose(-1, -2)
     weights = kernel * _toeplitz(c, n)
     if segment_ids is not None:
         same, other = _segment_factors(segment_bias.to(dtype))
@@ -723,14 +783,40 @@ def _compute_dtype(dtype):
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def _features(query, key, projection, mask, dtype, logit_scale=None, head_major=False):
-    """phi(q_hat), phi(k_hat) [B, H, n, m] in `dtype`, padded keys zeroed (after the map: phi(0) != 0)."""
-    phi_q = _normalized_features(query.to(dtype), projection, logit_scale, head_major)
-    phi_k = _normalized_features(key.to(dtype), projection, logit_scale, head_major)
+def _features(query, key, projection, mask, dtype, logit_scale=None, head_major=False, variant="nprf"):
+    """phi(q_hat), phi(k_hat) [B, H, n, m] in `dtype` (the variant's feature map), padded keys zeroed (after the
+    map: phi(0) != 0)."""
+    if variant == "nprf":
+        phi_q = _normalized_features(query.to(dtype), projection, logit_scale, head_major)
+        phi_k = _normalized_features(key.to(dtype), projection, logit_scale, head_major)
+    else:
+        phi_q, phi_k = (variant_features(x.to(dtype), projection, variant) for x in (query, key))
     if mask is not None:  # in place when autograd does not need the features as they are
         keep = mask[:, None, :, None]
         phi_k = phi_k * keep if torch.is_grad_enabled() and phi_k.requires_grad else phi_k.mul_(keep)
     return phi_q, phi_k
+
+
+def _exact_kernel(query, key, mask, causal, logit_scale, variant):
+    """[B, H, n, n] exp(logits - row max) of the exact variants, zero for padded and (causal) future keys:
+    logits s q_hat . k_hat ("normalized_softmax") or q . k / sqrt(d) ("softmax"). A per-row factor cancels in
+    the normalization (the word-matching term is a multiple of the kernel too)."""
+    n, head_dim = query.shape[-2], query.shape[-1]
+    if variant == "normalized_softmax":
+        query = query / _row_norms(query).clamp_min(NORM_EPS)
+        key = key / _row_norms(key).clamp_min(NORM_EPS)
+        if logit_scale is not None:
+            query = query * logit_scale.to(query.dtype)[:, None, None]
+        logits = query @ key.transpose(-1, -2)
+    else:
+        logits = query @ key.transpose(-1, -2) / math.sqrt(head_dim)
+    allowed = torch.ones(n, n, dtype=torch.bool, device=query.device)
+    if causal:
+        allowed = torch.tril(allowed)
+    allowed = allowed[None, None] if mask is None else allowed & (mask[:, None, None, :] > 0)
+    shift = logits.masked_fill(~allowed, float("-inf")).amax(-1, keepdim=True).detach()
+    shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))  # rows with no key
+    return torch.exp((logits - shift).masked_fill(~allowed, float("-inf")))
 
 
 def _masked_bias(bias, n, causal):

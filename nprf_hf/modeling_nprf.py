@@ -200,7 +200,7 @@ class NPRFSelfAttention(nn.Module):
         with torch.device("cpu"):  # a plain int, also when the model is built on the meta device
             self.band_width = rpe_band_width(config.rpe_num_buckets, config.rpe_max_distance, self.bidirectional)
         self.projection = nn.Buffer(self.draw_projection(0), persistent=True)
-        if config.rpe_shared_across_layers:
+        if config.rpe_shared_across_layers or not config.relative_position_bias:
             self.rpe_table = None
         else:
             self.rpe_table = nn.Parameter(torch.zeros(self.num_attention_heads, config.rpe_num_buckets))
@@ -232,6 +232,8 @@ class NPRFSelfAttention(nn.Module):
 
     def bucket_table(self, rpe_table=None):
         """[H, rpe_num_buckets]: this layer's own table, else the shared one the base model passes."""
+        if not self.config.relative_position_bias:  # b = 0: nothing to learn, and every algorithm still applies
+            return self.projection.new_zeros(self.num_attention_heads, self.config.rpe_num_buckets)
         table = self.rpe_table if self.rpe_table is not None else rpe_table
         if table is None:
             raise ValueError("rpe_shared_across_layers=True: the encoder must pass its rpe_table to the self-attention")
@@ -370,6 +372,7 @@ class NPRFSelfAttention(nn.Module):
                 key_padding_mask=key_padding_mask,
                 causal=self.is_causal,
                 logit_scale=logit_scale,
+                variant=self.config.attention_variant,
                 **segments,
             )[:, :, first:]
             attn_output = (attn_weights.to(value.dtype) @ value).to(value.dtype)
@@ -387,6 +390,7 @@ class NPRFSelfAttention(nn.Module):
                 logit_scale=logit_scale,
                 recompute=RECOMPUTE_MODES[self.config.attention_recompute],
                 num_segments=self.num_segments,
+                variant=self.config.attention_variant,
                 **segments,
             )[:, :, first:]
         else:
@@ -394,7 +398,8 @@ class NPRFSelfAttention(nn.Module):
             # float32 for half inputs (the allowed keys' share of a row can underflow float16).
             compute_dtype = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
             weights = nprf_attention_weights(
-                query.to(compute_dtype), key.to(compute_dtype), rpe_bias, self.projection, logit_scale=logit_scale, **segments
+                query.to(compute_dtype), key.to(compute_dtype), rpe_bias, self.projection, logit_scale=logit_scale,
+                variant=self.config.attention_variant, **segments,
             )
             weights = weights[:, :, first:] * general_mask
             total = weights.sum(-1, keepdim=True)
@@ -441,6 +446,7 @@ class NPRFSelfAttention(nn.Module):
             max_distance=self.config.rpe_max_distance,
             algorithm=self.config.attention_algorithm,
             logit_scale=self.logit_scale(),
+            variant=self.config.attention_variant,
         )
 
 
@@ -569,6 +575,32 @@ def _unit_scale_logit(config):
     return -math.log(config.logit_scale_max - 1.0)
 
 
+def set_attention_variant(model, variant, num_random_features=None, projection_seed=None, feature_map=None):
+    """Switch every NPRF self-attention of `model` to `variant` (one of `options.ATTENTION_VARIANTS`), in place,
+    without touching a trained weight: only the random projection is drawn again (from the new
+    `num_random_features` / `projection_seed` / `feature_map`, where given). The paper's Figure 2: train with the
+    exact kernel ("normalized_softmax"), then estimate it with "nprf". Returns the model."""
+    config = model.config
+    updates = {"attention_variant": variant, "num_random_features": num_random_features,
+               "projection_seed": projection_seed, "feature_map": feature_map}
+    updates = {name: value for name, value in updates.items() if value is not None}
+    previous = {name: getattr(config, name) for name in updates}
+    for name, value in updates.items():
+        setattr(config, name, value)
+    try:
+        validate_nprf_fields(config)
+    except ValueError:
+        for name, value in previous.items():
+            setattr(config, name, value)
+        raise
+    for module in model.modules():
+        if isinstance(module, NPRFSelfAttention):
+            module.config = config
+            old = module.projection
+            module.projection = module.draw_projection(0).to(device=old.device, dtype=old.dtype)
+    return model
+
+
 def segment_ids_from_inputs(config, input_ids=None, token_type_ids=None):
     """[B, L] segment of every token for `config.segment_bias`, or None when there is nothing to tell
     apart: token_type_ids (BERT, ELECTRA); for RoBERTa-style families, whose token types are all 0,
@@ -611,10 +643,12 @@ class NPRFPreTrainedMixin:
         asked = [f.name for f in NPRF_FIELDS if f.saved_with_weights and f.name in requested]
         if asked and pretrained_model_name_or_path is not None:
             hub_kwargs = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
-            saved = cls.config_class.from_pretrained(pretrained_model_name_or_path, **hub_kwargs)
-            changed = [name for name in asked if requested[name] != getattr(saved, name)]
+            saved, _ = PreTrainedConfig.get_config_dict(pretrained_model_name_or_path, **hub_kwargs)
+            # a softmax checkpoint loaded into an NPRF class has no NPRF tensors yet: every value is free then
+            nprf = str(saved.get("model_type", "")).startswith("nprf_")
+            changed = [name for name in asked if nprf and name in saved and requested[name] != saved[name]]
             if changed:
-                values = ", ".join(f"{name}={requested[name]!r} (saved: {getattr(saved, name)!r})" for name in changed)
+                values = ", ".join(f"{name}={requested[name]!r} (saved: {saved[name]!r})" for name in changed)
                 raise ValueError(
                     f"{values}: the model's weights were made with the saved value (e.g. the random projection and "
                     "the RPE table are saved with them), so it cannot change at load; load without it, or convert "
@@ -668,6 +702,7 @@ class NPRFModelMixin:
             parent = layer.get_submodule(parent_path) if parent_path else layer
             setattr(parent, name, NPRFSelfAttention.adopt(getattr(parent, name), config, layout, index))
         shared = config.rpe_shared_across_layers
+        shared = shared and config.relative_position_bias
         encoder.rpe_table = nn.Parameter(torch.zeros(config.num_attention_heads, config.rpe_num_buckets)) if shared else None
         encoder.redraw_step = nn.Buffer(torch.zeros((), dtype=torch.long), persistent=False)
         encoder.redraw_suspended = False  # set by generate(): cached features must stay valid
@@ -837,7 +872,7 @@ for _config_class in NPRF_CONFIG_CLASSES.values():
     _config_class.register_for_auto_class()
 
 
-__all__ = [cls.__name__ for classes in NPRF_MODEL_CLASSES.values() for cls in classes.values()]
+__all__ = [cls.__name__ for classes in NPRF_MODEL_CLASSES.values() for cls in classes.values()] + ["set_attention_variant"]
 
 
 def _position_limit_error(length, limit):

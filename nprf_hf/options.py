@@ -10,6 +10,18 @@ from typing import Callable, Optional
 
 
 ALGORITHMS = ("auto", "dense", "fft", "banded")  # exact algorithms of `functional.nprf_attention` (+ auto)
+# attention_variant -> what the self-attention computes: the paper's NPRF and the arms of its ablations, as
+# settings of the same model classes. The first three factor their kernel into features (every algorithm,
+# linear cost, the NPRF cache); the last two are the exact kernels, computed densely (quadratic).
+ATTENTION_VARIANTS = {
+    "nprf": "the paper's NPRF: random features of L2-normalized q, k (kernel exp(s q_hat . k_hat))",
+    "prf": "Performer's PRF: random features of q, k scaled by d^(-1/4), not normalized (kernel exp(q . k / sqrt(d)))",
+    "elu_linear": "linear attention with phi(x) = elu(x) + 1 (Katharopoulos et al. 2020)",
+    "normalized_softmax": "the exact kernel NPRF estimates: softmax(s q_hat . k_hat + b), dense",
+    "softmax": "standard attention: softmax(q . k / sqrt(d) + b), dense",
+}
+QUADRATIC_VARIANTS = ("normalized_softmax", "softmax")  # computed from the n x n weights
+NORMALIZED_VARIANTS = ("nprf", "normalized_softmax")  # q, k L2-normalized: the logit scale applies
 FEATURE_MAPS = ("orf", "prf")
 ATTENTION_ALGORITHMS = ALGORITHMS
 # attention_recompute -> `nprf_attention(recompute=...)`: auto (None) = the long-input algorithms only
@@ -85,6 +97,16 @@ class NPRFField:
 
 
 NPRF_FIELDS = (
+    NPRFField(
+        "attention_variant", str, "nprf",
+        "what the attention computes (nprf = the paper; the rest are its ablations, see options.ATTENTION_VARIANTS); "
+        "nprf_hf.set_attention_variant switches a trained model without touching its weights",
+        choices=tuple(ATTENTION_VARIANTS), saved_with_weights=False,
+    ),
+    NPRFField(
+        "relative_position_bias", bool, True,
+        "the T5-bucketed relative position bias b (RPE); false = no table, b = 0 (absolute positions only)",
+    ),
     NPRFField(
         "num_random_features", int, 64, "m, random features per head",
         check=lambda v: _is_int(v) and v >= 1, rule="a positive integer",
