@@ -390,16 +390,43 @@ class NPRFGenerationMixin:
             return
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, *args, **kwargs)
 
-    def _prepare_position_ids_for_generation(self, inputs_tensor, model_kwargs):
-        """generate() numbers positions from 0, RoBERTa's embeddings from padding_idx + 1 (pads: padding_idx); shift
-        them so that absolute position embeddings see what a forward pass without position_ids sees."""
-        position_ids = super()._prepare_position_ids_for_generation(inputs_tensor, model_kwargs)
+    def prepare_inputs_for_generation(
+        self,
+        input_ids,
+        next_sequence_length=None,
+        past_key_values=None,
+        attention_mask=None,
+        inputs_embeds=None,
+        is_first_iteration=False,
+        **kwargs,
+    ):
+        """transformers' inputs of one step, with `position_ids` in the numbering of the embeddings.
+
+        generate() keeps position ids in its own convention, `attention_mask.cumsum(-1) - 1` (from 0 over the real
+        tokens, 0 on padding), whether it made them or they were passed to it, and extends them by one per step.
+        RoBERTa's embeddings number from padding_idx + 1 (padding: padding_idx): they are shifted here, at the one
+        place every step goes through, so that explicit and implicit position ids give the same tokens and both
+        see what a forward pass without position_ids sees.
+        """
+        model_inputs = super().prepare_inputs_for_generation(
+            input_ids,
+            next_sequence_length=next_sequence_length,
+            past_key_values=past_key_values,
+            attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds,
+            is_first_iteration=is_first_iteration,
+            **kwargs,
+        )
+        position_ids = model_inputs.get("position_ids")
         padding_idx = getattr(getattr(self.base_model, "embeddings", None), "padding_idx", None)
         if padding_idx is None or position_ids is None:  # padding_idx: families whose positions start after it
-            return position_ids
+            return model_inputs
         shifted = position_ids + padding_idx + 1
-        mask = model_kwargs.get("attention_mask")
-        return shifted if mask is None or mask.shape != shifted.shape else shifted.masked_fill(mask == 0, padding_idx)
+        if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[0] == shifted.shape[0]:
+            # the mask covers the whole sequence; the step's tokens are its last columns
+            shifted = shifted.masked_fill(attention_mask[:, -shifted.shape[-1] :] == 0, padding_idx)
+        model_inputs["position_ids"] = shifted
+        return model_inputs
 
     def generate(self, *args, **kwargs):
         # A redraw would change phi for the keys already in the cache (and the sequence's own attention midway).

@@ -348,6 +348,27 @@ def test_absolute_positions_are_numbered_as_in_a_forward_pass():
     torch.testing.assert_close(torch.stack(out.logits, 1).double(), full[:, 29:-1], rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("cache", ["nprf", "dynamic", "uncached"])
+def test_explicit_position_ids_give_the_tokens_of_implicit_ones(cache):
+    # transformers' test_generate_with_and_without_position_ids: position ids passed to generate() follow its
+    # convention (attention_mask.cumsum(-1) - 1); RoBERTa's shift by padding_idx + 1 was applied only to the ones
+    # generate() made itself, so explicit ones moved every absolute position by 2 (logits off by ~0.05 here)
+    model = decoder(position_embedding_type="absolute", max_position_embeddings=80, seed=3)
+    input_ids, mask = left_padded((30, 17), 30)
+    options = {"nprf": {}, "dynamic": {"cache_implementation": "dynamic"}, "uncached": {"use_cache": False}}[cache]
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=1, return_dict_in_generate=True,
+                  output_logits=True, **options)
+    implicit = model.generate(input_ids, **kwargs)
+    position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    explicit = model.generate(input_ids, position_ids=position_ids, **kwargs)
+    assert torch.equal(explicit.sequences, implicit.sequences)
+    assert torch.equal(torch.stack(explicit.logits), torch.stack(implicit.logits))
+    # and both are the logits of a forward pass without position ids
+    full_mask = torch.cat([mask, torch.ones(2, 8, dtype=mask.dtype)], 1)
+    full = model(explicit.sequences, attention_mask=full_mask, use_cache=False).logits
+    torch.testing.assert_close(torch.stack(explicit.logits, 1).double(), full[:, 29:-1], rtol=0, atol=1e-6)  # float32 logits
+
+
 def test_decoder_with_cross_attention_keeps_its_self_attention_state_in_an_nprf_cache():
     model = decoder(add_cross_attention=True)
     input_ids, mask = left_padded((30, 17), 30)
