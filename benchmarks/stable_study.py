@@ -127,8 +127,12 @@ def diverged(results, spike):
     return sum(tail) / len(tail) > min(losses) + spike
 
 
+_TEST_BLOCKS = {}
+
+
 def swapped_perplexity(run, tokenizer, test_file, block_size, num_random_features, seed):
-    """Test perplexity of a trained run's model with its attention switched to NPRF (weights untouched)."""
+    """Test perplexity of a trained run's model with its attention switched to NPRF (weights untouched); kept in
+    the run's folder (`swapped.json`), so that a study resumes without evaluating twice."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -137,11 +141,20 @@ def swapped_perplexity(run, tokenizer, test_file, block_size, num_random_feature
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     from run_clm import evaluate, token_blocks
 
+    path = os.path.join(run["output_dir"], "swapped.json")
+    done = json.load(open(path)) if os.path.isfile(path) else {}
+    if str(num_random_features) in done:
+        return done[str(num_random_features)]
     model = AutoModelForCausalLM.from_pretrained(run["output_dir"]).eval()
     nprf_hf.set_attention_variant(model, "nprf", num_random_features=num_random_features, projection_seed=seed)
-    blocks = token_blocks(AutoTokenizer.from_pretrained(tokenizer), test_file, block_size)
+    key = (tokenizer, test_file, block_size)
+    if key not in _TEST_BLOCKS:
+        _TEST_BLOCKS[key] = token_blocks(AutoTokenizer.from_pretrained(tokenizer), test_file, block_size)
     with torch.no_grad():
-        return evaluate(model, blocks, 8, None)["perplexity"]
+        done[str(num_random_features)] = evaluate(model, _TEST_BLOCKS[key], 8, None)["perplexity"]
+    with open(path, "w") as handle:
+        json.dump(done, handle)
+    return done[str(num_random_features)]
 
 
 def mean(values):
