@@ -160,7 +160,7 @@ def table(rows, tasks, recipes):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--model_name_or_path", required=True, help="softmax BERT/RoBERTa checkpoint")
+    parser.add_argument("--model_name_or_path", required=True, help="softmax checkpoint of a supported family")
     parser.add_argument("--glue_dir", default=os.path.join(DATA, "glue"), help="glue_data root")
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))

@@ -11,7 +11,7 @@ the same masked tokens; `eval_results.json` holds eval_loss and perplexity.
         --train_file ../shared/data/wikitext-2/valid.txt --validation_file ../shared/data/wikitext-2/test.txt \\
         --max_seq_length 128 --do_train --do_eval --max_steps 300 --output_dir runs/mlm
 
-    # softmax baseline: the same with a BERT/RoBERTa checkpoint; or convert in-process:
+    # softmax baseline: the same with a softmax checkpoint; or convert in-process:
     python examples/run_mlm.py --model_name_or_path bert-dir --convert_to_nprf --rpe_init calibrated ...
 
 Resume with `--resume_from_checkpoint runs/mlm/checkpoint-200` (or `last`: the newest in output_dir).
@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class ModelArguments:
     model_name_or_path: Optional[str] = field(
-        default=None, metadata={"help": "NPRF dir, BERT/RoBERTa checkpoint (dir or Hub id); omit to train from scratch"}
+        default=None, metadata={"help": "NPRF dir or softmax checkpoint (dir or Hub id); omit to train from scratch"}
     )
     config_name: Optional[str] = field(default=None, metadata={"help": "config (dir or json) for a fresh model"})
     tokenizer_name: Optional[str] = field(default=None, metadata={"help": "tokenizer, if not the model's"})

@@ -36,7 +36,7 @@ ATTENTION_TRANSFER_REPORT = "attention_transfer.json"  # written by convert and 
 
 
 # a Hub id: "name" or "org/name" (letters, digits, "-", "_", "."; not starting with "." or "-")
-_HUB_ID = re.compile(r"[A-Za-z0-9_][\w.-]*(/[A-Za-z0-9_][\w.-]*)?")
+HUB_ID = re.compile(r"[A-Za-z0-9_][\w.-]*(/[A-Za-z0-9_][\w.-]*)?")
 
 
 def looks_like_path(value) -> bool:
@@ -46,7 +46,7 @@ def looks_like_path(value) -> bool:
     if value.startswith((".", "/", "~")):
         return True
     has_separator = os.sep in value or (os.altsep is not None and os.altsep in value)
-    return has_separator and not _HUB_ID.fullmatch(value)
+    return has_separator and not HUB_ID.fullmatch(value)
 
 
 def check_local_path(value, what="model directory"):

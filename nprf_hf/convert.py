@@ -212,13 +212,13 @@ def _load_source(model_or_path, tokenizer=None, **from_pretrained_kwargs):
     if isinstance(model_or_path, nn.Module):
         config = getattr(model_or_path, "config", None)
         if config is None:
-            raise ValueError("model_or_path is a torch module without a `.config`: pass a transformers BERT/RoBERTa model")
+            raise ValueError("model_or_path is a torch module without a `.config`: pass a transformers model of a supported family")
         _source_family(config.model_type)
         return model_or_path, type(model_or_path).__name__, tokenizer
     if not isinstance(model_or_path, (str, os.PathLike)):
         raise ValueError(f"model_or_path must be a model, a local directory or a Hub id, got {type(model_or_path)}")
     path = str(model_or_path)
-    check_local_path(path, "BERT/RoBERTa checkpoint directory")
+    check_local_path(path, "checkpoint directory")
     config = transformers.AutoConfig.from_pretrained(path, **from_pretrained_kwargs)
     family = _source_family(config.model_type)
     architecture = (config.architectures or [family.class_name("model", nprf=False)])[0]
@@ -541,7 +541,7 @@ def convert_to_nprf(
     long_context_options: Optional[dict] = None,
     **config_overrides,
 ):
-    """Convert a BERT or RoBERTa model (in memory, local directory or Hub id) into its NPRF counterpart.
+    """Convert a model of a supported family (in memory, local directory or Hub id) into its NPRF counterpart.
 
     Every source tensor is copied bit for bit (same names and shapes); the RPE table(s) and random
     projections are new. The head follows the source's class (`config.architectures` for a path),

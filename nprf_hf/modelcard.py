@@ -20,6 +20,7 @@ import shutil
 import string
 import tempfile
 
+from .checkpoint_files import HUB_ID
 from .families import HEADS, NPRF_FAMILIES, family_of, position_offset
 
 
@@ -43,7 +44,6 @@ METRIC_NAMES = {
     "perplexity": "Perplexity",
 }
 GLUE_DATASET = "nyu-mll/glue"
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 CARD_TEMPLATE = """
 # $model_name
@@ -88,7 +88,7 @@ $settings
 
 ## How it was made
 
-NPRF models keep every tensor of the source BERT / RoBERTa checkpoint under the same name and shape
+NPRF models keep every tensor of the source softmax checkpoint under the same name and shape
 (copied bit for bit) and add only the relative position bias table(s) and the random projections. The
 recipe below rebuilds this model's NPRF settings; the bias table starts at zeros (`--rpe-init zeros`) or from
 the source's own attention (`--rpe-init calibrated --calibration-text FILE`) and is then trained.
@@ -382,7 +382,7 @@ def build_model_card(
     config = read_nprf_config(model_dir)
     conversion_report = _conversion_record(model_dir)
     architecture, pipeline_tag, auto_class = pipeline_for(config)
-    if base_model is not None and not HUB_ID.match(base_model):
+    if base_model is not None and not HUB_ID.fullmatch(base_model):
         raise ValueError(f"base_model must be a Hub model id such as 'google-bert/bert-base-uncased', got {base_model!r}")
     if eval_results is None:
         default = os.path.join(model_dir, "eval_results.json")
@@ -423,7 +423,7 @@ def build_model_card(
         provenance = f"Converted from [`{base_model}`](https://huggingface.co/{base_model}) with `nprf-hf convert`"
         provenance += "."
     else:
-        provenance = "Converted from a BERT / RoBERTa checkpoint with `nprf-hf convert`."
+        provenance = f"Converted from a {family} checkpoint with `nprf-hf convert`."
     settings = "\n".join(f"| `{field}` | `{config[field]}` |" for field in _setting_fields() if field in config)
     body = string.Template(CARD_TEMPLATE).substitute(
         model_name=model_name,
@@ -485,7 +485,7 @@ def write_nprf_card(model_dir, model, task_name, source, main_process=True):
     if main_process:
         from .checkpoint_files import looks_like_path
 
-        base_model = None if os.path.isdir(source) or looks_like_path(source) or not HUB_ID.match(source) else source
+        base_model = None if os.path.isdir(source) or looks_like_path(source) or not HUB_ID.fullmatch(source) else source
         results = os.path.join(model_dir, "eval_results.json")
         # a non-GLUE run's metrics name no dataset: the card then leaves them out rather than guess one
         eval_results = results if os.path.isfile(results) and _glue_task_or_none(task_name) else False

@@ -276,7 +276,7 @@ def attention_transfer(
 
     Args:
         student: an NPRF model (any head) converted from `teacher`.
-        teacher: the softmax BERT/RoBERTa source (any head); not changed.
+        teacher: the softmax source (any supported family, any head); not changed.
         tokenizer: the source's tokenizer.
         texts: unlabeled texts, strings or (first, second) pairs (pairs are encoded as one input with
             token types, as a cross-encoder sees them). Cycled in a seeded random order.
