@@ -7,6 +7,12 @@ Every family's NPRF config is the HF config plus the fields of `NPRF_FIELDS` (na
 allowed values, help: declared once; the CLI options, the model card and the validation derive from it).
 Why each default:
 
+- `attention_variant`: "nprf", the paper's attention. The other values are the arms of its ablations in the
+  same classes ("prf": Performer's unnormalized features, "elu_linear", and the exact kernels
+  "normalized_softmax" and "softmax", quadratic), so a from-scratch study or the switch of a trained model
+  (`set_attention_variant`) is one setting.
+- `relative_position_bias`: on, as in the paper (RPE is what keeps NPRF attention sharp); off = b = 0 and no
+  table, the "without RPE" arm.
 - `num_random_features`: m, the number of random features per head. 64 equals the head size of
   BERT-base, so the feature map costs about what the head itself costs; since queries and keys are
   L2-normalized the kernel exp(q.k) lies in [1/e, e] and 64 features already estimate it with a small
@@ -17,10 +23,15 @@ Why each default:
   reloaded model gives identical outputs); N > 0 redraws it every N training forward passes (never
   in eval), deterministically from `projection_seed`, the layer index and the redraw count.
 - `projection_seed`: seed of the deterministic draw of every layer's projection.
-- `rpe_num_buckets`, `rpe_max_distance`: T5's relative position buckets (T5's defaults).
+- `rpe_num_buckets`: T5's relative position buckets (T5's default, 32).
+- `rpe_max_distance`: the distance from which the buckets, and so the bias, are constant (T5's 128); it sets
+  the band of the banded algorithm and of the decoding cache.
 - `rpe_shared_across_layers`: one bias table for all layers, as in the paper.
 - `attention_algorithm`: "dense", "fft" or "banded" (exact and equal up to rounding, they
   differ in speed only); "auto" picks the fastest for the input length.
+- `attention_recompute`: "auto" recomputes the banded / fft attention's features and Toeplitz product in
+  backward once a layer's features take 16 MiB (long inputs, where they are most of the activations), and
+  keeps them for short inputs, where the second forward would cost time for little memory.
 - `position_embedding_type`: "absolute" keeps the learned position table of the
   source checkpoint (inputs up to `max_position_embeddings`); "none" drops it, the model then
   knows positions only through the relative bias and takes inputs of any length.

@@ -1,6 +1,7 @@
 """Tests of the NPRF configs and models (issue 3), tiny configs on CPU."""
 
 import os
+import re
 
 import pytest
 import torch
@@ -719,3 +720,12 @@ def test_token_match_starts_off_learns_and_raises_word_matching():
     assert match_mass(0.0) < match_mass(5.0)
     with pytest.raises(ValueError, match="needs segment_bias=True"):
         tiny_config("bert", token_match=True)
+
+
+def test_every_config_field_has_its_reason_in_the_config_docstring():
+    """The config module explains why each default is what it is: one entry per field of NPRF_FIELDS."""
+    from nprf_hf import configuration_nprf
+    from nprf_hf.options import NPRF_FIELDS
+
+    documented = set(re.findall(r"^- `(\w+)`", configuration_nprf.__doc__, re.M))
+    assert documented == {field.name for field in NPRF_FIELDS}
