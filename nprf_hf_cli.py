@@ -46,35 +46,6 @@ def _bool(value):
     raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
 
 
-# attention_transfer keyword -> (type, help) of its `--attention-transfer-*` option
-TRANSFER_OPTIONS = (
-    ("steps", int, "optimisation steps"),
-    ("batch_size", int, "texts per step"),
-    ("max_length", int, "tokens per text (longer ones are truncated)"),
-    ("learning_rate", float, "Adam rate of the query/key projections"),
-    ("table_learning_rate", float, "Adam rate of the RPE table(s) and logit scales"),
-    ("seed", int, "seed of the text order"),
-)
-
-# long_context_distillation keyword -> (type, help) of its `--long-context-*` option (defaults: options.py)
-LONG_CONTEXT_OPTIONS = (
-    ("steps", int, "optimisation steps"),
-    ("batch_size", int, "documents per step (the other documents are a passage's negatives)"),
-    ("document_length", int, "content tokens per training document (the model needs 2 positions more)"),
-    ("passage_length", int, "tokens per passage cut out of a document"),
-    ("passages_per_document", int, "passages per document and step"),
-    ("short_batch_size", int, "short texts per step kept faithful to the source (0 = none)"),
-    ("window", int, "the source's chunk-and-pool window, content tokens (default: all the source's positions)"),
-    ("overlap", int, "tokens shared by consecutive windows"),
-    ("contrastive_weight", float, "weight of the passage -> document contrastive term"),
-    ("temperature", float, "temperature of the contrastive term"),
-    ("learning_rate", float, "Adam rate of the trained weights"),
-    ("table_learning_rate", float, "Adam rate of the RPE table(s) and logit scales"),
-    ("train", str, "what trains: attention (as attention transfer) or encoder (the whole layer stack)"),
-    ("seed", int, "seed of the documents, passages and text order"),
-)
-
-
 def add_convert_parser(subparsers):
     options, families = _declarations("options"), _declarations("families")
     FAMILIES, HEADS = families.FAMILIES, families.HEADS
@@ -139,7 +110,7 @@ def add_convert_parser(subparsers):
         help="plain text file (one text per line) or GLUE task folder (its train.tsv sentences / pairs); "
         "omitted = no transfer",
     )
-    for name, kind, text in TRANSFER_OPTIONS:
+    for name, (kind, text) in options.TRANSFER_OPTIONS.items():
         transfer.add_argument(
             "--attention-transfer-" + name.replace("_", "-"),
             type=kind,
@@ -159,7 +130,7 @@ def add_convert_parser(subparsers):
         help="plain text file of long documents (WikiText: split at its article titles; else at blank lines); "
         "omitted = no recipe",
     )
-    for name, kind, text in LONG_CONTEXT_OPTIONS:
+    for name, (kind, text) in options.LONG_CONTEXT_OPTIONS.items():
         default = options.LONG_CONTEXT_DEFAULTS[name]
         extra = dict(choices=options.LONG_CONTEXT_TRAIN) if name == "train" else dict(
             metavar="N" if kind is int else "X")
@@ -228,13 +199,13 @@ def run_convert(args):
         from nprf_hf.transfer import read_transfer_texts
 
         transfer_texts = read_transfer_texts(args.attention_transfer_text)
-    transfer_options = {name: getattr(args, "attention_transfer_" + name) for name, _, _ in TRANSFER_OPTIONS}
+    transfer_options = {name: getattr(args, "attention_transfer_" + name) for name in _declarations("options").TRANSFER_OPTIONS}
     long_context_texts = None
     if args.long_context_text is not None:
         from nprf_hf.long_context import read_long_text
 
         long_context_texts = read_long_text(args.long_context_text)
-    long_context_options = {name: getattr(args, "long_context_" + name) for name, _, _ in LONG_CONTEXT_OPTIONS}
+    long_context_options = {name: getattr(args, "long_context_" + name) for name in _declarations("options").LONG_CONTEXT_OPTIONS}
     report = convert_checkpoint(
         args.src,
         args.out,

@@ -26,7 +26,7 @@ into `--output_dir`.
 import logging
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from typing import Optional
 
 import transformers
@@ -48,7 +48,7 @@ except ImportError:  # running from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from nprf_hf import glue
 from nprf_hf.modelcard import push_nprf_to_hub, write_nprf_card
-from nprf_hf.transfer import TRANSFER_DEFAULTS
+from nprf_hf.options import GLUE_TRANSFER_OPTIONS, TRANSFER_DEFAULTS, TRANSFER_OPTIONS
 
 
 logger = logging.getLogger(__name__)
@@ -124,12 +124,18 @@ class ModelArguments:
         default=None,
         metadata={"help": "Texts for the transfer: a plain text file or a GLUE task folder (default: the task's training texts)."},
     )
-    attention_transfer_learning_rate: float = field(
-        default=TRANSFER_DEFAULTS["learning_rate"], metadata={"help": "Adam rate of the transfer's projections."}
-    )
-    attention_transfer_batch_size: int = field(
-        default=TRANSFER_DEFAULTS["batch_size"], metadata={"help": "Texts per transfer step."}
-    )
+
+
+# the transfer's own options, declared once in nprf_hf.options, as fields of ModelArguments
+ModelArguments = make_dataclass(
+    "ModelArguments",
+    [
+        (f"attention_transfer_{name}", TRANSFER_OPTIONS[name][0],
+         field(default=TRANSFER_DEFAULTS[name], metadata={"help": f"attention transfer: {TRANSFER_OPTIONS[name][1]}."}))
+        for name in GLUE_TRANSFER_OPTIONS
+    ],
+    bases=(ModelArguments,),
+)
 
 
 class RPETrainer(Trainer):

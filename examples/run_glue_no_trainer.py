@@ -45,7 +45,7 @@ except ImportError:  # running from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from nprf_hf import glue
 from nprf_hf.modelcard import push_nprf_to_hub, write_nprf_card
-from nprf_hf.transfer import TRANSFER_DEFAULTS
+from nprf_hf.options import GLUE_TRANSFER_OPTIONS, TRANSFER_DEFAULTS, TRANSFER_OPTIONS
 
 
 logger = get_logger(__name__)
@@ -80,10 +80,10 @@ def parse_args(argv=None):
     model.add_argument("--attention_transfer_text", type=str, default=None,
                        help="Texts for the transfer: a plain text file or a GLUE task folder "
                        "(default: the task's training texts).")
-    model.add_argument("--attention_transfer_learning_rate", type=float, default=TRANSFER_DEFAULTS["learning_rate"],
-                       help="Adam rate of the transfer's projections.")
-    model.add_argument("--attention_transfer_batch_size", type=int, default=TRANSFER_DEFAULTS["batch_size"],
-                       help="Texts per transfer step.")
+    for name in GLUE_TRANSFER_OPTIONS:  # declared once, in nprf_hf.options
+        kind, text = TRANSFER_OPTIONS[name]
+        model.add_argument(f"--attention_transfer_{name}", type=kind, default=TRANSFER_DEFAULTS[name],
+                           help=f"attention transfer: {text} (default: %(default)s)")
 
     train = parser.add_argument_group("training")
     train.add_argument("--output_dir", type=str, default=None, help="Where the model, checkpoints and metrics go.")

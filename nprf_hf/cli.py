@@ -5,9 +5,7 @@
 import sys
 
 from nprf_hf_cli import (
-    LONG_CONTEXT_OPTIONS,
     SUBCOMMANDS,
-    TRANSFER_OPTIONS,
     add_card_parser,
     add_convert_parser,
     build_parser,
@@ -17,7 +15,7 @@ from nprf_hf_cli import (
 )
 
 
-__all__ = ["LONG_CONTEXT_OPTIONS", "SUBCOMMANDS", "TRANSFER_OPTIONS", "add_card_parser", "add_convert_parser", "build_parser", "main",
+__all__ = ["SUBCOMMANDS", "add_card_parser", "add_convert_parser", "build_parser", "main",
            "run_card", "run_convert"]
 
 if __name__ == "__main__":

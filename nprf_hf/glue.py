@@ -668,6 +668,8 @@ def convert_and_transfer(
 
     import nprf_hf
 
+    from .options import GLUE_TRANSFER_OPTIONS
+
     overrides = json.loads(args.nprf_config) if args.nprf_config else {}
     if not isinstance(overrides, dict):
         raise UsageError(f"--nprf_config must be a JSON object, got {args.nprf_config!r}")
@@ -687,8 +689,7 @@ def convert_and_transfer(
         tokenizer,
         texts,
         steps=args.attention_transfer_steps,
-        batch_size=args.attention_transfer_batch_size,
-        learning_rate=args.attention_transfer_learning_rate,
+        **{name: getattr(args, "attention_transfer_" + name) for name in GLUE_TRANSFER_OPTIONS},
         max_length=max_length,
         seed=seed,
         show_progress=show_progress,

@@ -37,6 +37,18 @@ TRANSFER_DEFAULTS = {
     "seed": 0,
 }
 
+# attention_transfer keyword -> (type, help): the one declaration of its options, `--attention-transfer-*` in the
+# CLI and `--attention_transfer_*` in the GLUE scripts (which set max_length and seed from their own arguments)
+TRANSFER_OPTIONS = {
+    "steps": (int, "optimisation steps"),
+    "batch_size": (int, "texts per step"),
+    "max_length": (int, "tokens per text (longer ones are truncated)"),
+    "learning_rate": (float, "Adam rate of the query/key projections"),
+    "table_learning_rate": (float, "Adam rate of the RPE table(s) and logit scales"),
+    "seed": (int, "seed of the text order"),
+}
+GLUE_TRANSFER_OPTIONS = ("batch_size", "learning_rate", "table_learning_rate")  # the GLUE scripts' own besides steps
+
 # `long_context_distillation`'s trainable sets and defaults (the CLI's --long-context-* options read them)
 LONG_CONTEXT_TRAIN = ("attention", "encoder")
 LONG_CONTEXT_DEFAULTS = {
@@ -54,6 +66,24 @@ LONG_CONTEXT_DEFAULTS = {
     "table_learning_rate": 5e-3,
     "train": "attention",
     "seed": 0,
+}
+
+# long_context_distillation keyword -> (type, help) of its `--long-context-*` option (defaults just above)
+LONG_CONTEXT_OPTIONS = {
+    "steps": (int, "optimisation steps"),
+    "batch_size": (int, "documents per step (the other documents are a passage's negatives)"),
+    "document_length": (int, "content tokens per training document (the model needs 2 positions more)"),
+    "passage_length": (int, "tokens per passage cut out of a document"),
+    "passages_per_document": (int, "passages per document and step"),
+    "short_batch_size": (int, "short texts per step kept faithful to the source (0 = none)"),
+    "window": (int, "the source's chunk-and-pool window, content tokens (default: all the source's positions)"),
+    "overlap": (int, "tokens shared by consecutive windows"),
+    "contrastive_weight": (float, "weight of the passage -> document contrastive term"),
+    "temperature": (float, "temperature of the contrastive term"),
+    "learning_rate": (float, "Adam rate of the trained weights"),
+    "table_learning_rate": (float, "Adam rate of the RPE table(s) and logit scales"),
+    "train": (str, "what trains: attention (as attention transfer) or encoder (the whole layer stack)"),
+    "seed": (int, "seed of the documents, passages and text order"),
 }
 
 

@@ -260,3 +260,23 @@ def test_glue_recipes_build_valid_run_glue_commands(tmp_path):
         assert training_args.num_train_epochs == spec.get("epochs", 3)
         expected_source = recipes.run_dir(str(tmp_path), "mrpc", spec["source"], 43) if spec.get("source") else "minilm"
         assert model_args.model_name_or_path == expected_source
+
+
+def test_options_are_declared_once_for_every_entry_point():
+    """options.py declares each option of the transfer and the long-context recipe once (type, help, default); the
+    CLI and the GLUE scripts derive theirs from it, and every one is a keyword of the function it configures."""
+    import inspect
+
+    from nprf_hf import options
+    from nprf_hf.cli import build_parser
+
+    for declared, defaults, function, prefix in (
+        (options.TRANSFER_OPTIONS, options.TRANSFER_DEFAULTS, nprf_hf.attention_transfer, "--attention-transfer-"),
+        (options.LONG_CONTEXT_OPTIONS, options.LONG_CONTEXT_DEFAULTS, nprf_hf.long_context_distillation, "--long-context-"),
+    ):
+        assert set(declared) == set(defaults)
+        parameters = inspect.signature(function).parameters
+        assert all(parameters[name].default == defaults[name] for name in declared)
+        help_text = build_parser()._subparsers._group_actions[0].choices["convert"].format_help()
+        assert all(prefix + name.replace("_", "-") in help_text for name in declared)
+    assert set(options.GLUE_TRANSFER_OPTIONS) <= set(options.TRANSFER_OPTIONS)
