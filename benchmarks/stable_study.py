@@ -64,6 +64,9 @@ SIZES = {
                         "intermediate_size": 2048, "num_random_features": 64},
                 block_size=512, batch_size=32, learning_rate=5e-4, high_learning_rate=5e-3),
 }
+SIZES["tiny"] = dict(config={"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64,
+                             "num_random_features": 8}, block_size=32, batch_size=4, learning_rate=1e-3,
+                     high_learning_rate=1e-2)  # for the script's own test
 SWAP_FEATURES = (16, 32, 64, 128)
 
 
@@ -167,6 +170,7 @@ def main(argv=None):
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--parts", nargs="+", choices=sorted(PART_ARMS), default=["a", "b", "c"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), help="only these arms of each part (default: all)")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--size", choices=sorted(SIZES), default="cpu")
     parser.add_argument("--vocab-size", type=int, default=8000)
@@ -185,6 +189,7 @@ def main(argv=None):
     size = SIZES[args.size]
     tokenizer = train_tokenizer(args.train_file, args.vocab_size, os.path.join(args.output, "tokenizer"))
     report = {"settings": {**vars(args), "size_settings": size, "arms": ARMS}, "a": [], "b": [], "c": []}
+    part_arms = {part: [a for a in arms if args.arms is None or a in args.arms] for part, arms in PART_ARMS.items()}
 
     def summary(run, **extra):
         return {"final_loss": run["final_loss"], "perplexity": run.get("perplexity"), "diverged": run["diverged"],
@@ -193,21 +198,21 @@ def main(argv=None):
 
     base_runs = {}
     if "a" in args.parts or "c" in args.parts:
-        arms = set(PART_ARMS["a"] if "a" in args.parts else ()) | ({"softmax"} if "c" in args.parts else set())
+        arms = set(part_arms["a"] if "a" in args.parts else ()) | ({"softmax"} & set(part_arms["c"]) if "c" in args.parts else set())
         for arm in [a for a in ARMS if a in arms]:
             for seed in args.seeds:
                 base_runs[arm, seed] = run_clm(args, f"a-{arm}-s{seed}", arm, seed, tokenizer, size["learning_rate"],
                                                save_model=arm == "softmax")
                 report["a"].append(summary(base_runs[arm, seed], arm=arm, seed=seed))
     if "b" in args.parts:
-        for arm in PART_ARMS["b"]:
+        for arm in part_arms["b"]:
             for condition, lr, precision in (("high-lr", size["high_learning_rate"], "no"),
                                              ("bf16", size["learning_rate"], "bf16")):
                 run = run_clm(args, f"b-{arm}-{condition}-s{args.seeds[0]}", arm, args.seeds[0], tokenizer, lr, precision)
                 report["b"].append(summary(run, arm=arm, condition=condition, seed=args.seeds[0],
                                            unstable=diverged(run, args.spike)))
     if "c" in args.parts:
-        for arm in PART_ARMS["c"]:
+        for arm in part_arms["c"]:
             for seed in args.seeds:
                 run = base_runs.get((arm, seed)) or run_clm(args, f"c-{arm}-s{seed}", arm, seed, tokenizer,
                                                             size["learning_rate"], save_model=True)
