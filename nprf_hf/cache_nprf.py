@@ -19,12 +19,14 @@ the last W - 1 keys' phi(k) and [v | 1], oldest first (padded keys have phi(k) =
 no sum).
 
 The first section holds pure functions (tensors in, tensors out); `NPRFCacheLayer` / `NPRFCache` only
-keep their results between calls.
+keep their results between calls. `NPRFStaticCache` keeps the same state in place, for a compiled decode step
+(`generate(..., cache_implementation="static")`).
 """
 
 import torch
 
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, EncoderDecoderCache
+from transformers.masking_utils import create_masks_for_generate
 
 from .functional import (
     _compute_dtype,
@@ -157,11 +159,22 @@ class NPRFCacheLayer(CacheLayerMixin):
             "(through NPRFCache.attend). Pass a DynamicCache for other attention modules."
         )
 
+    @property
+    def has_state(self):
+        """Whether the prompt was consumed (later calls continue from the state)."""
+        return self.far_states is not None
+
+    def store(self, far_states, ring_features, ring_values, real_tokens, length):
+        """Keep the state after `length` new tokens, `real_tokens` [B] of them not padding."""
+        self.far_states, self.ring_features, self.ring_values = far_states, ring_features, ring_values
+        self.real_tokens = real_tokens if self.real_tokens is None else self.real_tokens + real_tokens
+        self.seq_length += length
+
     def get_seq_length(self):
         return self.seq_length
 
     def get_mask_sizes(self, query_length):
-        return self.seq_length + query_length, 0
+        return self.get_seq_length() + query_length, 0
 
     def get_max_length(self):
         return -1
@@ -209,6 +222,57 @@ class NPRFCacheLayer(CacheLayerMixin):
         pass
 
 
+class NPRFStaticCacheLayer(NPRFCacheLayer):
+    """`NPRFCacheLayer` for a compiled decode step (`torch.compile`, CUDA graphs): the state tensors are allocated
+    once, after the prompt, and later steps write into them in place (fixed shapes and addresses); the token count
+    is a tensor, `cumulative_length`, so that a growing context changes no value a compiled graph is guarded on.
+    For generation: the in-place writes leave no autograd graph through the state.
+    """
+
+    is_compileable = True
+
+    def __init__(self, **kwargs):
+        super().__init__()
+        self.cumulative_length = None
+
+    def store(self, far_states, ring_features, ring_values, real_tokens, length):
+        if self.has_state and far_states.requires_grad:
+            # autograd through the state (no generate() step): an in-place write would change tensors saved for
+            # backward, so keep the new ones (no longer at the recorded addresses: CUDA graphs record again)
+            self.far_states, self.ring_features, self.ring_values = far_states, ring_features, ring_values
+            self.real_tokens = self.real_tokens + real_tokens
+            self.cumulative_length = self.cumulative_length + length
+            return
+        if not self.has_state:  # after the prompt: the buffers every later step writes into
+            self.far_states, self.ring_features, self.ring_values = far_states, ring_features, ring_values
+            self.real_tokens = real_tokens
+            self.cumulative_length = torch.tensor(length, dtype=torch.long, device=far_states.device)
+            if not torch.compiler.is_compiling():  # (not allowed while tracing: a compiled prefill skips it)
+                for name in self._tensors() + ("cumulative_length",):
+                    torch._dynamo.mark_static_address(getattr(self, name))
+            return
+        self.far_states.copy_(far_states)
+        self.ring_features.copy_(ring_features)
+        self.ring_values.copy_(ring_values)
+        self.real_tokens.add_(real_tokens)
+        self.cumulative_length.add_(length)
+
+    def get_seq_length(self):
+        return self.cumulative_length if self.has_state else 0
+
+    def _apply(self, fn):
+        # in place where the shape stays (beam reordering): the addresses a compiled step was recorded with
+        if self.has_state:
+            for name in self._tensors():
+                old = getattr(self, name)
+                new = fn(old)
+                if new.shape == old.shape:
+                    old.copy_(new)
+                else:
+                    setattr(self, name, new)
+                    torch._dynamo.mark_static_address(new)
+
+
 class NPRFCache(Cache):
     """Constant-size cache of NPRF decoder self-attention for `generate()`: per layer the far sums S, z and
     the last W - 1 keys' features and values (`NPRFCacheLayer`), so a generated token costs
@@ -221,13 +285,20 @@ class NPRFCache(Cache):
     The NPRF self-attention calls `attend(...)` instead of `update(...)`.
     """
 
+    layer_class = NPRFCacheLayer
+
     def __init__(self, config=None):
-        layers = [NPRFCacheLayer() for _ in range(config.num_hidden_layers)] if config is not None else []
+        layers = [self.layer_class() for _ in range(config.num_hidden_layers)] if config is not None else []
         super().__init__(layers=layers)
+
+    @property
+    def is_compileable(self):
+        # a class property, also before the layers exist (generate() compiles its decode step for a compileable cache)
+        return self.layer_class.is_compileable
 
     def layer(self, layer_idx):
         while len(self.layers) <= layer_idx:
-            self.layers.append(NPRFCacheLayer())
+            self.layers.append(self.layer_class())
         return self.layers[layer_idx]
 
     def nbytes(self, layer_idx=0):
@@ -258,8 +329,9 @@ class NPRFCache(Cache):
 
         Args:
             query, key, value: [B, H, L, d] of the L new tokens.
-            key_padding_mask: None or [B, past + L] bool, True = keep (the whole sequence, as generate()
-                passes it); past positions must agree with what the cache saw.
+            key_padding_mask: None or bool, True = keep: [B, past + L] (the whole sequence, as generate()
+                passes it; past positions must agree with what the cache saw) or [B, L] (the new tokens only:
+                what generate() gives a compiled decode step, one shape however long the context).
             rpe_table: [H, num_buckets] unidirectional bucket table. projection: [H, m, d] or [m, d].
             band_width: W of the unidirectional buckets (`rpe_band_width(..., bidirectional=False)`).
         Returns:
@@ -267,16 +339,17 @@ class NPRFCache(Cache):
         """
         layer = self.layer(layer_idx)
         batch, length = query.shape[0], query.shape[2]
-        past = layer.seq_length
+        prefill = not layer.has_state
         mask = self._check_call(layer, layer_idx, batch, length, key_padding_mask, projection)
-        new_mask = None if mask is None else mask[:, past:]
+        # the new tokens are the mask's last columns, whether it covers the whole sequence or only them
+        new_mask = None if mask is None else mask[:, mask.shape[-1] - length :]
         dtype = _compute_dtype(query.dtype)
         # The new keys' features (padded keys zeroed after the map: phi(0) != 0) and [v | 1].
         phi_k = variant_features(key.to(dtype), projection, variant, logit_scale)
         if new_mask is not None:
             phi_k = phi_k * new_mask[:, None, :, None].to(dtype)
         u = _values_and_ones(value.to(dtype))
-        if past == 0:  # prefill: the fast exact algorithms over the prompt, then the state from its keys
+        if prefill:  # the fast exact algorithms over the prompt, then the state from its keys
             bias = relative_position_bias(rpe_table, length, False, num_buckets, max_distance)
             out = nprf_attention(
                 query,
@@ -299,36 +372,51 @@ class NPRFCache(Cache):
             state = (layer.far_states, layer.ring_features, layer.ring_values)
             sums, *state = recurrent_attention(phi_q, phi_k, u, *state, c)
             out = normalize_attention(sums, query.dtype)
-        layer.far_states, layer.ring_features, layer.ring_values = state
         real = torch.full((batch,), length, device=query.device) if new_mask is None else new_mask.sum(-1)
-        layer.real_tokens = real if layer.real_tokens is None else layer.real_tokens + real
-        layer.seq_length = past + length
-        layer.projection_id = _projection_id(projection)
+        layer.store(*state, real, length)
+        if not torch.compiler.is_compiling():  # storage ids cannot be traced; generate() keeps the projection anyway
+            layer.projection_id = _projection_id(projection)
         return out
 
     def _check_call(self, layer, layer_idx, batch, length, key_padding_mask, projection):
-        """The key padding mask as bool [B, past + L] (or None); a ValueError for what the state cannot honour."""
-        past = layer.seq_length
+        """The key padding mask as bool [B, past + L] or [B, L] (or None); a ValueError for what the state cannot
+        honour. Under torch.compile only the shapes are checked: the rest reads the state on the host."""
         if key_padding_mask is not None:
-            if key_padding_mask.dim() != 2 or key_padding_mask.shape != (batch, past + length):
+            if key_padding_mask.dim() != 2 or key_padding_mask.shape[0] != batch:
                 raise ValueError(
-                    f"NPRFCache layer {layer_idx} has seen {past} tokens: the key padding mask must be "
-                    f"[B={batch}, past + new = {past + length}], got {tuple(key_padding_mask.shape)}"
+                    f"NPRFCache layer {layer_idx}: the key padding mask must be [B={batch}, past + new] or "
+                    f"[B={batch}, new], got {tuple(key_padding_mask.shape)}"
                 )
             key_padding_mask = key_padding_mask.bool()
-        if past == 0:
+        if not layer.has_state:
+            if key_padding_mask is not None and key_padding_mask.shape[-1] != length:
+                raise ValueError(
+                    f"NPRFCache layer {layer_idx} has seen no token: the attention_mask must be [B={batch}, {length}], "
+                    f"got {tuple(key_padding_mask.shape)}"
+                )
             return key_padding_mask
         if layer.far_states.shape[0] != batch:
             raise ValueError(
                 f"NPRFCache layer {layer_idx} holds a batch of {layer.far_states.shape[0]} sequences, "
                 f"got {batch} new ones"
             )
-        if layer.projection_id != _projection_id(projection):
+        if torch.compiler.is_compiling():
+            return key_padding_mask
+        if layer.projection_id is not None and layer.projection_id != _projection_id(projection):
             raise ValueError(
                 f"the random projection of layer {layer_idx} changed since NPRFCache was built (a feature redraw "
                 "or new weights): its state was computed with the old features; start again with a new cache"
             )
-        if layer_idx != 0 or torch.compiler.is_compiling():  # every layer sees the same mask: one host sync per step
+        if layer_idx != 0:  # every layer sees the same mask: one host sync per step
+            return key_padding_mask
+        past = int(layer.get_seq_length())
+        if key_padding_mask is not None and key_padding_mask.shape[-1] not in (past + length, length):
+            raise ValueError(
+                f"NPRFCache layer {layer_idx} has seen {past} tokens: the attention_mask must be [B={batch}, past + new "
+                f"= {past + length}] (the whole sequence) or [B={batch}, new = {length}], got "
+                f"{tuple(key_padding_mask.shape)}"
+            )
+        if key_padding_mask is not None and key_padding_mask.shape[-1] == length:  # the new tokens only
             return key_padding_mask
         seen = (
             torch.full_like(layer.real_tokens, past) if key_padding_mask is None else key_padding_mask[:, :past].sum(-1)
@@ -339,6 +427,18 @@ class NPRFCache(Cache):
                 "padding cannot be changed after the fact: their keys are already in the far sums S, z)"
             )
         return key_padding_mask
+
+
+class NPRFStaticCache(NPRFCache):
+    """`NPRFCache` whose decode step compiles (`NPRFStaticCacheLayer`): what `generate(...,
+    cache_implementation="static")` builds for an NPRF decoder. The state is constant-size anyway, so nothing
+    is sized for a maximum length: one compiled step serves every context length.
+
+    Args:
+        config: the model config (one layer per hidden layer), or None (layers added as first used).
+    """
+
+    layer_class = NPRFStaticCacheLayer
 
 
 def _projection_id(projection):
@@ -353,11 +453,15 @@ def find_nprf_cache(past_key_values):
     return cache if isinstance(cache, NPRFCache) else None
 
 
-def default_decoder_cache(config, cross_attention=False):
-    """The cache an NPRF decoder uses when none is given: an NPRFCache for the self-attention (with a DynamicCache
-    for HF's softmax cross-attention when the decoder reads encoder states); for the exact (quadratic) attention
-    variants, whose kernel has no features to sum, HF's growing key/value cache."""
-    cache = DynamicCache(config=config) if config.attention_variant in QUADRATIC_VARIANTS else NPRFCache(config)
+def default_decoder_cache(config, cross_attention=False, static=False):
+    """The cache an NPRF decoder uses when none is given: an NPRFCache for the self-attention (an NPRFStaticCache
+    when `static`: a compileable decode step), with a DynamicCache for HF's softmax cross-attention when the
+    decoder reads encoder states; for the exact (quadratic) attention variants, whose kernel has no features to
+    sum, HF's growing key/value cache."""
+    if config.attention_variant in QUADRATIC_VARIANTS:
+        cache = DynamicCache(config=config)
+    else:
+        cache = NPRFStaticCache(config) if static else NPRFCache(config)
     return EncoderDecoderCache(cache, DynamicCache(config=config)) if cross_attention else cache
 
 
@@ -365,30 +469,59 @@ class NPRFGenerationMixin:
     """generate() of the NPRF decoders: an NPRFCache unless told otherwise, no feature redraw while generating, and
     RoBERTa's position numbering for absolute position embeddings.
 
-    `cache_implementation="dynamic"` (or a Cache passed as `past_key_values`) keeps HF's growing key/value cache,
-    which NPRF attention also accepts (it then recomputes the attention over all cached keys at every step).
-    Assisted generation needs a cache that can be cropped and `output_attentions=True` every past key, so both
-    keep the dynamic cache too.
+    `cache_implementation="static"` gives an NPRFStaticCache: the same constant-size state, written in place, so
+    that transformers compiles the decode step (on CUDA, or wherever `compile_config._compile_all_devices`), one
+    graph for every context length. `cache_implementation="dynamic"` (or a Cache passed as `past_key_values`)
+    keeps HF's growing key/value cache, which NPRF attention also accepts (it then recomputes the attention over
+    all cached keys at every step). Assisted generation needs a cache that can be cropped and
+    `output_attentions=True` every past key, so both keep the dynamic cache too.
     """
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, *args, **kwargs):
-        if generation_config.cache_implementation not in (None, "dynamic", "offloaded"):
+        implementation = generation_config.cache_implementation
+        if implementation not in (None, "dynamic", "offloaded", "static"):
             raise ValueError(
-                f"cache_implementation={generation_config.cache_implementation!r} is not supported by NPRF decoders: "
-                "leave it unset (NPRFCache, constant size) or use 'dynamic' (a growing key/value cache)"
+                f"cache_implementation={implementation!r} is not supported by NPRF decoders: leave it unset (NPRFCache, "
+                "constant size), use 'static' (NPRFStaticCache: the same state, a compileable decode step) or 'dynamic' "
+                "(a growing key/value cache)"
             )
+        assisted = getattr(generation_mode, "value", generation_mode) == "assisted_generation"
+        assisted = assisted or generation_config.is_assistant
+        builds = model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False
+        if builds and implementation == "static":
+            reason = None
+            if self.config.attention_variant in QUADRATIC_VARIANTS:
+                reason = f"attention_variant={self.config.attention_variant!r} weighs every past key (no constant-size state)"
+            elif generation_config.output_attentions:
+                reason = "output_attentions=True needs every past key"
+            elif assisted:
+                reason = "assisted generation rolls the cache back, which the far sums S, z cannot"
+            if reason is not None:
+                raise ValueError(
+                    f"cache_implementation='static' (NPRFStaticCache) cannot serve this call: {reason}; use "
+                    "cache_implementation='dynamic'"
+                )
         if (
-            model_kwargs.get("past_key_values") is None
-            and generation_config.use_cache is not False
-            and generation_config.cache_implementation is None
-            and getattr(generation_mode, "value", generation_mode) != "assisted_generation"
-            and not generation_config.is_assistant
+            builds
+            and implementation in (None, "static")
+            and not assisted
             and not generation_config.output_attentions  # the weights of every step need every past key
         ):
             cross_attention = model_kwargs.get("encoder_hidden_states") is not None
-            model_kwargs["past_key_values"] = default_decoder_cache(self.config, cross_attention)
+            model_kwargs["past_key_values"] = default_decoder_cache(
+                self.config, cross_attention, static=implementation == "static"
+            )
             return
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, *args, **kwargs)
+
+    def create_masks_for_generate(self, config, inputs_embeds, attention_mask, past_key_values, *args, **kwargs):
+        """The attention mask of one step when the cache is compileable (transformers builds it here then).
+        An NPRF cache reads only the new tokens' padding: the last L columns of the 2D mask, [B, L], one shape at
+        every decode step (no recompile as the context grows) where transformers would build a 4D mask over a
+        maximum length. Args as `transformers.masking_utils.create_masks_for_generate`; inputs_embeds [B, L, *]."""
+        if find_nprf_cache(past_key_values) is not None and attention_mask is not None and attention_mask.dim() == 2:
+            return attention_mask[:, attention_mask.shape[-1] - inputs_embeds.shape[1] :]
+        return create_masks_for_generate(config, inputs_embeds, attention_mask, past_key_values, *args, **kwargs)
 
     def prepare_inputs_for_generation(
         self,
@@ -445,6 +578,8 @@ __all__ = [
     "NPRFCache",
     "NPRFGenerationMixin",
     "NPRFCacheLayer",
+    "NPRFStaticCache",
+    "NPRFStaticCacheLayer",
     "causal_distance_bias",
     "normalize_attention",
     "recurrent_attention",

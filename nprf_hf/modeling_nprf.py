@@ -426,13 +426,20 @@ class NPRFSelfAttention(nn.Module):
             )
         table = self.bucket_table(rpe_table)
         query_length = query.shape[2]
-        key_length = cache.get_seq_length(self.layer_idx) + query_length
-        key_padding_mask, general_mask = self.mask_forms(attention_mask, query_length, key_length, query.shape[0])
-        if general_mask is not None:
-            raise ValueError(
-                "NPRFCache applies padding masks (with the causal pattern) only; for another attention mask use "
-                "cache_implementation='dynamic' or use_cache=False"
-            )
+        if attention_mask is None or attention_mask.dim() == 2:
+            key_padding_mask = attention_mask
+        elif attention_mask.dtype == torch.bool and attention_mask.shape[1:3] == (1, 1):
+            # the base model's key padding form, [B, past + L] or [B, L]: the cache checks which (its length may be
+            # a tensor, NPRFStaticCache, which a compiled step must not compare on the host)
+            key_padding_mask = attention_mask[:, 0, 0, :]
+        else:
+            key_length = int(cache.get_seq_length(self.layer_idx)) + query_length
+            key_padding_mask, general_mask = self.mask_forms(attention_mask, query_length, key_length, query.shape[0])
+            if general_mask is not None:
+                raise ValueError(
+                    "NPRFCache applies padding masks (with the causal pattern) only; for another attention mask use "
+                    "cache_implementation='dynamic' or use_cache=False"
+                )
         return cache.attend(
             self.layer_idx,
             query,
@@ -479,11 +486,11 @@ class NPRFEmbeddings(nn.Module):
         """[B or 1, L] position of every token."""
         reference = input_ids if input_ids is not None else inputs_embeds
         device, length = reference.device, reference.shape[1]
+        # past_key_values_length: an int, or a 0-d tensor (NPRFStaticCache) added without reading it on the host
         if self.padding_idx is None:
-            return torch.arange(past_key_values_length, past_key_values_length + length, device=device)[None]
+            return (torch.arange(length, device=device) + past_key_values_length)[None]
         if input_ids is None:  # every token is real
-            start = self.padding_idx + 1 + past_key_values_length
-            return torch.arange(start, start + length, device=device)[None]
+            return (torch.arange(length, device=device) + (self.padding_idx + 1) + past_key_values_length)[None]
         real = input_ids.ne(self.padding_idx).long()
         return (torch.cumsum(real, dim=1) + past_key_values_length) * real + self.padding_idx
 
@@ -627,7 +634,7 @@ class NPRFPreTrainedMixin:
     # torch.compile(model, fullgraph=True) traces forward and backward without a graph break for every
     # attention algorithm (tests/test_compile.py). Not with what must read tensors on the host: a general 4D
     # attention mask (told apart from a padding mask by its values), `feature_redraw_interval > 0` in training.
-    # transformers 5.23 only declares the flag (generate() compiles only with a compileable cache; NPRFCache is not).
+    # generate() compiles its decode step with a compileable cache: `cache_implementation="static"` (NPRFStaticCache).
     _can_compile_fullgraph = True
 
     @classmethod
@@ -752,16 +759,29 @@ class NPRFModelMixin:
                 attention.redraw_projection(step // interval)
 
     def forward(self, *args, **kwargs):
-        bound = self._forward_signature.bind_partial(self, *args, **kwargs).arguments
-        bound.pop("self")
-        arguments = {**bound.pop("kwargs", {}), **bound}
+        # positional arguments named as in the family's forward; not with inspect.Signature.bind, whose
+        # mappingproxy torch.compile cannot read once a dict was changed in the same graph (the head's
+        # `can_return_tuple` pops return_dict, which generate()'s compiled decode step passes)
+        names = self._forward_positional_names
+        if len(args) > len(names):
+            raise TypeError(f"forward() takes at most {len(names)} positional arguments, got {len(args)}")
+        arguments = dict(zip(names, args))
+        for name in arguments:
+            if name in kwargs:
+                raise TypeError(f"forward() got multiple values for argument {name!r}")
+        arguments = {**kwargs, **arguments}
         input_ids, inputs_embeds = arguments.get("input_ids"), arguments.get("inputs_embeds")
         reference = input_ids if input_ids is not None else inputs_embeds
         attention_mask, past = arguments.get("attention_mask"), arguments.get("past_key_values")
         causal = bool(getattr(self.config, "is_decoder", False))
         if reference is not None:
             query_length = reference.shape[1]
-            key_length = query_length + (past.get_seq_length() if past is not None else 0)
+            if find_nprf_cache(past) is not None and attention_mask is not None and attention_mask.dim() == 2:
+                # an NPRF cache takes the whole sequence's padding or the new tokens' only (a compiled decode step's
+                # one shape) and checks which; its length may be a tensor (NPRFStaticCache)
+                key_length = attention_mask.shape[-1]
+            else:
+                key_length = query_length + (int(past.get_seq_length()) if past is not None else 0)
         if attention_mask is not None and reference is not None:
             check_model_attention_mask(attention_mask, reference.shape[0])
             arguments["attention_mask"] = normalize_attention_mask(
@@ -811,6 +831,12 @@ def _with_base_model(function, base_name, base_class):
     return rebound
 
 
+def _positional_names(function):
+    """The names of the parameters of a method that may be passed by position, after `self`."""
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(name for name, p in inspect.signature(function).parameters.items() if p.kind in kinds)[1:]
+
+
 def _nprf_classes(family):
     """{head name: NPRF class} of one family, plus its pre-trained base class under None."""
     config_class = NPRF_CONFIG_CLASSES[family.model_type]
@@ -837,6 +863,7 @@ def _nprf_classes(family):
             "__doc__": f"{hf_model.__name__} with NPRF self-attention. Forward: as [`{hf_model.__name__}`].",
             "family": family,
             "_forward_signature": inspect.signature(hf_model.forward),
+            "_forward_positional_names": _positional_names(hf_model.forward),
         },
     )
     classes = {None: pretrained, "model": model}

@@ -1,14 +1,24 @@
 """Recurrent NPRF decoding (issue 14): generate() through NPRFCache gives the logits of one full forward pass
-at every generated position; tiny decoders on CPU."""
+at every generated position; tiny decoders on CPU. Issue 25: position ids passed to generate(), and the static
+cache (NPRFStaticCache) with generate()'s compiled decode step, after transformers' own generation tests."""
+
+import os
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from nprf_hf import NPRFRobertaConfig, NPRFRobertaForCausalLM
 from nprf_hf import cache_nprf, functional
-from nprf_hf.cache_nprf import NPRFCache, causal_distance_bias, recurrent_attention, recurrent_state_from_prefill
+from nprf_hf.cache_nprf import (
+    NPRFCache,
+    NPRFStaticCache,
+    causal_distance_bias,
+    recurrent_attention,
+    recurrent_state_from_prefill,
+)
 from nprf_hf.functional import _toeplitz, _values_and_ones, relative_position_bias, rpe_band_width
-from transformers import DynamicCache
+from transformers import CompileConfig, DynamicCache
 
 
 # 8 buckets / max distance 16 give a band of W = 12 (unidirectional): prompts of 5 and 30 tokens lie on
@@ -275,10 +285,11 @@ def test_cache_memory_is_constant_in_the_context_length():
     assert sizes[0][0] == 4 * heads * (m * (d + 1) + (W - 1) * (m + d + 1)) + 8  # + the real-token count
 
 
-def test_bad_uses_of_the_cache_raise():
+@pytest.mark.parametrize("cache_class", [NPRFCache, NPRFStaticCache])
+def test_bad_uses_of_the_cache_raise(cache_class):
     model = decoder()
     input_ids, mask = left_padded((30, 17), 31)
-    cache = model(input_ids[:, :30], attention_mask=mask[:, :30]).past_key_values
+    cache = model(input_ids[:, :30], attention_mask=mask[:, :30], past_key_values=cache_class(model.config)).past_key_values
     with pytest.raises(ValueError, match="output_attentions"):
         model(input_ids[:, 30:], attention_mask=mask, past_key_values=cache, output_attentions=True)
     changed = mask.clone()
@@ -315,13 +326,15 @@ def test_output_attentions_falls_back_to_the_dynamic_cache():
     assert isinstance(model(input_ids, attention_mask=four_d).past_key_values, DynamicCache)
 
 
-def test_gradients_through_the_cache_equal_those_of_the_full_forward():
+@pytest.mark.parametrize("cache_class", [NPRFCache, NPRFStaticCache])
+def test_gradients_through_the_cache_equal_those_of_the_full_forward(cache_class):
+    # (NPRFStaticCache writes in place only without autograd through the state: no generate() step)
     model = decoder().train()  # dropout is 0
     input_ids, mask = left_padded((40, 33), 60)
     model(input_ids, attention_mask=mask, use_cache=False).logits.sum().backward()
     expected = {name: param.grad.clone() for name, param in model.named_parameters()}
     model.zero_grad()
-    first = model(input_ids[:, :25], attention_mask=mask[:, :25])
+    first = model(input_ids[:, :25], attention_mask=mask[:, :25], past_key_values=cache_class(model.config))
     rest = model(input_ids[:, 25:], attention_mask=mask, past_key_values=first.past_key_values)
     (first.logits.sum() + rest.logits.sum()).backward()
     for name, param in model.named_parameters():
@@ -329,11 +342,19 @@ def test_gradients_through_the_cache_equal_those_of_the_full_forward():
     assert expected["roberta.encoder.rpe_table"].abs().max() > 0
 
 
-def test_static_cache_implementations_are_refused():
+def test_cache_implementations_without_a_constant_size_state_are_refused():
     model = decoder()
     input_ids, mask = left_padded((30, 17), 30)
-    with pytest.raises(ValueError, match="cache_implementation='static' is not supported"):
-        model.generate(input_ids, attention_mask=mask, max_new_tokens=2, pad_token_id=1, cache_implementation="static")
+    kwargs = dict(attention_mask=mask, max_new_tokens=2, pad_token_id=1)
+    for implementation in ("offloaded_static", "sliding_window"):
+        with pytest.raises(ValueError, match=f"cache_implementation='{implementation}' is not supported"):
+            model.generate(input_ids, cache_implementation=implementation, **kwargs)
+    with pytest.raises(ValueError, match="'static' .* output_attentions=True needs every past key"):
+        model.generate(input_ids, cache_implementation="static", output_attentions=True, return_dict_in_generate=True,
+                       **kwargs)
+    exact = decoder(attention_variant="softmax")
+    with pytest.raises(ValueError, match="'static' .* attention_variant='softmax' weighs every past key"):
+        exact.generate(input_ids, cache_implementation="static", **kwargs)
 
 
 def test_absolute_positions_are_numbered_as_in_a_forward_pass():
@@ -403,3 +424,190 @@ def test_half_precision_keeps_the_state_in_float32():
     assert cache.layers[0].far_states.dtype == torch.float32 and logits.dtype == torch.bfloat16
     # the attention runs in float32 on both sides; what differs is rounded to bfloat16 (a few ulps of 2^-7 at most)
     assert (logits.float() - full[:, 29:]).abs().max() <= 0.05
+
+
+# ---------------------------------------------------------------------------------------------
+# Static cache and compiled decoding (issue 25), after transformers' generation tests
+# (test_generate_with_static_cache, test_generate_from_inputs_embeds_with_static_cache,
+# test_static_cache_no_recompile_with_smaller_length, test_generate_compilation_all_outputs,
+# test_generate_compile_model_forward_fullgraph)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """No compiled code or graph count from another test."""
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def forced_compile_config(backend="aot_eager"):
+    """generate()'s compile options, compiling on CPU too; fullgraph and dynamic=False, so that a graph break is an
+    error and every new shape a recompile. aot_eager: dynamo + AOTAutograd (what decides graph breaks and guards)
+    without inductor's compile time."""
+    options = {} if backend == "inductor" else {"mode": None}  # (reduce-overhead: CUDA graphs, inductor only)
+    config = CompileConfig(fullgraph=True, dynamic=False, backend=backend, **options)
+    config._compile_all_devices = True
+    return config
+
+
+def assert_same_generation(actual, expected, atol):
+    assert torch.equal(actual.sequences, expected.sequences)
+    torch.testing.assert_close(torch.stack(actual.scores), torch.stack(expected.scores), rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
+def test_static_cache_generates_the_tokens_of_the_default_cache(dtype):
+    # test_generate_with_static_cache: cache_implementation="static" (refused before) gives the tokens and scores
+    # of every other path and a constant-size state, whatever max_new_tokens
+    model = decoder(dtype=dtype, position_embedding_type="absolute", max_position_embeddings=80, seed=3)
+    input_ids, mask = left_padded((30, 17), 30)
+    kwargs = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=1, return_dict_in_generate=True,
+                  output_scores=True, output_logits=True)
+    static = model.generate(input_ids, cache_implementation="static", **kwargs)
+    cache = static.past_key_values
+    assert isinstance(cache, NPRFStaticCache) and cache.is_compileable and len(cache) == TINY["num_hidden_layers"]
+    assert int(cache.get_seq_length()) == 30 + 20 - 1  # the last token is not yet in it
+    default = model.generate(input_ids, **kwargs)
+    assert type(default.past_key_values) is NPRFCache and not default.past_key_values.is_compileable
+    assert [cache.nbytes(i) for i in range(2)] == [default.past_key_values.nbytes(i) for i in range(2)]
+    # the same operations as the default cache, its state written in place
+    assert torch.equal(static.sequences, default.sequences)
+    assert torch.equal(torch.stack(static.logits), torch.stack(default.logits))
+    atol = 1e-6 if dtype == torch.float64 else 2e-2  # float16: an exact cache vs a different order of operations
+    for options in ({"cache_implementation": "dynamic"}, {"use_cache": False}):
+        assert_same_generation(static, model.generate(input_ids, **options, **kwargs), atol)
+    if dtype == torch.float64:  # and the logits of a forward pass
+        full_mask = torch.cat([mask, torch.ones(2, 20, dtype=mask.dtype)], 1)
+        full = model(static.sequences, attention_mask=full_mask, use_cache=False).logits
+        torch.testing.assert_close(torch.stack(static.logits, 1).double(), full[:, 29:-1], rtol=0, atol=1e-6)
+
+
+def test_static_cache_beam_search_and_continuation():
+    model = decoder(dtype=torch.float32)
+    input_ids, mask = left_padded((30, 17), 30)
+    beams = dict(attention_mask=mask, max_new_tokens=12, num_beams=3, num_return_sequences=2, do_sample=False,
+                 return_dict_in_generate=True, output_scores=True, pad_token_id=1)
+    static = model.generate(input_ids, cache_implementation="static", **beams)  # beams reordered in place
+    default = model.generate(input_ids, **beams)
+    assert isinstance(static.past_key_values, NPRFStaticCache)
+    assert torch.equal(static.sequences, default.sequences)
+    assert torch.equal(static.sequences_scores, default.sequences_scores)
+    # a returned static cache goes on, fed a chunk of several tokens then one at a time
+    first = model.generate(input_ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=1,
+                           cache_implementation="static", return_dict_in_generate=True)
+    mask2 = torch.cat([mask, torch.ones(2, 8, dtype=mask.dtype)], 1)
+    again = model.generate(first.sequences, attention_mask=mask2, past_key_values=first.past_key_values,
+                           max_new_tokens=10, do_sample=False, pad_token_id=1)
+    scratch = model.generate(first.sequences, attention_mask=mask2, max_new_tokens=10, do_sample=False, pad_token_id=1)
+    assert torch.equal(again, scratch) and int(first.past_key_values.get_seq_length()) == 47
+
+
+def test_static_cache_generates_from_inputs_embeds():
+    # test_generate_from_inputs_embeds_with_static_cache
+    model = decoder(dtype=torch.float32, position_embedding_type="absolute", max_position_embeddings=80, seed=3)
+    input_ids, mask = left_padded((30, 17), 30)
+    kwargs = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=1, return_dict_in_generate=True,
+                  output_logits=True)
+    embeds = model.get_input_embeddings()(input_ids)
+    static = model.generate(inputs_embeds=embeds, cache_implementation="static", **kwargs)
+    assert isinstance(static.past_key_values, NPRFStaticCache)
+    assert int(static.past_key_values.get_seq_length()) == 30 + 10 - 1
+    from_ids = model.generate(input_ids, **kwargs)
+    assert torch.equal(static.sequences, from_ids.sequences[:, 30:])
+    torch.testing.assert_close(torch.stack(static.logits), torch.stack(from_ids.logits), rtol=0, atol=1e-6)
+
+
+def test_compiled_static_generation_equals_eager_without_recompiling(fresh_dynamo):
+    # test_generate_compile_model_forward_fullgraph, test_static_cache_no_recompile_with_smaller_length and
+    # test_generate_compilation_all_outputs (less the attention weights: refused with a static cache): generate()
+    # compiles its decode step (fullgraph, dynamic=False) once; two inputs of one shape, then shorter and longer
+    # contexts and more new tokens (past the band, W = 12) run that one graph, never recompiling
+    model = decoder(dtype=torch.float32, position_embedding_type="absolute", max_position_embeddings=120, seed=3)
+    kwargs = dict(do_sample=False, pad_token_id=1, return_dict_in_generate=True, output_scores=True, output_logits=True,
+                  output_hidden_states=True)
+    config = forced_compile_config()
+    runs = [((30, 17), 30, 6), ((25, 30), 30, 6), ((9, 4), 9, 3), ((40, 2), 40, 30)]
+    for index, (lengths, total, new) in enumerate(runs):
+        input_ids, mask = left_padded(lengths, total, seed=index)
+        eager = model.generate(input_ids, attention_mask=mask, max_new_tokens=new, **kwargs)
+        with torch.compiler.set_stance("fail_on_recompile" if index else "default"):
+            compiled = model.generate(input_ids, attention_mask=mask, max_new_tokens=new, cache_implementation="static",
+                                      compile_config=config, **kwargs)
+        assert hasattr(model, "_compiled_call") and isinstance(compiled.past_key_values, NPRFStaticCache)
+        assert_same_generation(compiled, eager, atol=1e-5)
+        torch.testing.assert_close(torch.stack(compiled.logits), torch.stack(eager.logits), rtol=0, atol=1e-5)
+        assert len(compiled.hidden_states) == new
+        for step, (got, expected) in enumerate(zip(compiled.hidden_states, eager.hidden_states)):
+            assert len(got) == TINY["num_hidden_layers"] + 1 and got[-1].shape == (2, total if step == 0 else 1, 32)
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1  # the decode step, for every context length
+
+
+@pytest.mark.parametrize("positions", ["explicit", "implicit"])
+def test_compiled_forward_decodes_without_recompiling_float64(positions, fresh_dynamo):
+    # torch.compile(model.forward, fullgraph=True) on decode steps through an NPRFStaticCache: one graph from the
+    # first step to the 40th (the context crosses the band), the logits of one full forward pass at every position
+    model = decoder(position_embedding_type="absolute", max_position_embeddings=80)
+    prompt, total = 30, 70
+    input_ids, mask = left_padded((30, 17) if positions == "explicit" else (30, 30), prompt)
+    new_ids = torch.randint(3, TINY["vocab_size"], (2, total - prompt), generator=torch.Generator().manual_seed(1))
+    input_ids, mask = torch.cat([input_ids, new_ids], 1), torch.cat([mask, torch.ones_like(new_ids)], 1)
+    full = model(input_ids, attention_mask=mask, use_cache=False).logits
+    # RoBERTa's numbering (padding_idx + 1 on over the real tokens), or none: the embeddings count from the
+    # cache's length, a tensor (no padding then: that count includes padded tokens)
+    position_ids = (mask.cumsum(-1) + 1).masked_fill(mask == 0, 1) if positions == "explicit" else None
+
+    def positions_of(start, stop):
+        return {} if position_ids is None else {"position_ids": position_ids[:, start:stop]}
+
+    cache = NPRFStaticCache(model.config)
+    step = torch.compile(model.forward, fullgraph=True, dynamic=False, backend="aot_eager")
+    with torch.no_grad():
+        out = model(input_ids[:, :prompt], attention_mask=mask[:, :prompt], past_key_values=cache,
+                    **positions_of(0, prompt))
+        logits = [out.logits[:, -1]]
+        for t in range(prompt, total):
+            with torch.compiler.set_stance("fail_on_recompile" if t > prompt else "default"):
+                # the new token's padding only ([B, 1], as generate() gives a compiled step): one shape at every step
+                out = step(input_ids[:, t : t + 1], attention_mask=mask[:, t : t + 1], past_key_values=cache,
+                           **positions_of(t, t + 1))
+            logits.append(out.logits[:, -1])
+    assert counters["stats"]["unique_graphs"] == 1 and int(cache.get_seq_length()) == total
+    real = mask[:, prompt - 1 :].bool()
+    torch.testing.assert_close(torch.stack(logits, 1)[real], full[:, prompt - 1 :][real], rtol=0, atol=1e-10)
+
+
+def test_a_mask_of_the_new_tokens_only_equals_the_whole_sequence_mask():
+    model = decoder()
+    input_ids, mask = left_padded((30, 17), 40)
+    mask[:, 30:] = 1
+    for cache_class in (NPRFCache, NPRFStaticCache):
+        results = []
+        for new_only in (False, True):
+            cache = model(input_ids[:, :30], attention_mask=mask[:, :30], past_key_values=cache_class(model.config))
+            cache = cache.past_key_values
+            logits = []
+            for start, stop in [(30, 34), (34, 35), (35, 40)]:
+                step_mask = mask[:, start:stop] if new_only else mask[:, :stop]
+                logits.append(model(input_ids[:, start:stop], attention_mask=step_mask, past_key_values=cache).logits)
+            results.append(torch.cat(logits, 1))
+        assert torch.equal(results[0], results[1])
+
+
+@pytest.mark.skipif(not os.environ.get("NPRF_RUN_SLOW"), reason="an inductor compile: ~45 s on 2 CPU cores; set NPRF_RUN_SLOW=1")
+def test_inductor_compiled_static_generation_equals_eager(fresh_dynamo):
+    # generate()'s own compile path with its default backend (inductor), fullgraph
+    model = decoder(dtype=torch.float32, seed=3)
+    kwargs = dict(do_sample=False, pad_token_id=1, return_dict_in_generate=True, output_scores=True)
+    config = forced_compile_config("inductor")
+    for index, (lengths, total, new) in enumerate([((30, 17), 30, 8), ((9, 4), 9, 30)]):
+        input_ids, mask = left_padded(lengths, total, seed=index)
+        eager = model.generate(input_ids, attention_mask=mask, max_new_tokens=new, **kwargs)
+        with torch.compiler.set_stance("fail_on_recompile" if index else "default"):
+            compiled = model.generate(input_ids, attention_mask=mask, max_new_tokens=new, cache_implementation="static",
+                                      compile_config=config, **kwargs)
+        assert_same_generation(compiled, eager, atol=1e-4)
+    assert counters["stats"]["unique_graphs"] == 1
