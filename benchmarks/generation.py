@@ -11,7 +11,13 @@ last position only (`logits_to_keep=1`). Variants:
 * ``softmax``: `RobertaForCausalLM` with SDPA attention and HF's `DynamicCache` (keys and values of
   every past token), its absolute position table extended to the longest context + new tokens;
 * ``nprf_kv`` (not run by default): the NPRF model with a `DynamicCache`, the path NPRF decoders took
-  before issue 14 (the attention over every cached key recomputed at each step).
+  before issue 14 (the attention over every cached key recomputed at each step);
+* ``nprf_static`` (not run by default): the NPRF model with `NPRFStaticCache` (issue 25, what
+  `generate(cache_implementation="static")` uses: the same state, written in place), eager;
+* ``nprf_compiled`` (not run by default): the same with every decode step through
+  `torch.compile(model, fullgraph=True, dynamic=False)` (`--compile-backend`, `--compile-mode`), the
+  prefill eager as in generate(); compiled during the untimed warm-up tokens (at least one), and the
+  number of graphs compiled is reported (1: no recompile as the context grows).
 
 Reported per (variant, context): prefill time; time per new token (the median over the decoded
 tokens, and their mean; the first `--warmup-tokens` decoded tokens are not timed); the peak memory
@@ -42,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from long_sequence import PeakMemory, machine_description  # noqa: E402
 
 
-VARIANTS = ("nprf", "softmax", "nprf_kv")
+VARIANTS = ("nprf", "softmax", "nprf_kv", "nprf_static", "nprf_compiled")
 DEFAULT_VARIANTS = ("nprf", "softmax")
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUTPUT = os.path.join(HERE, "results", "generation_cpu.json")
@@ -60,7 +66,7 @@ def build_model(variant, args, max_length):
         is_decoder=True,
         pad_token_id=1,
     )
-    if variant in ("nprf", "nprf_kv"):
+    if variant.startswith("nprf"):
         from nprf_hf import NPRFRobertaConfig, NPRFRobertaForCausalLM
 
         extra = {} if args.num_features is None else {"num_random_features": args.num_features}
@@ -84,6 +90,10 @@ def new_cache(variant, model):
         from nprf_hf.cache_nprf import NPRFCache
 
         return NPRFCache(model.config)
+    if variant in ("nprf_static", "nprf_compiled"):
+        from nprf_hf.cache_nprf import NPRFStaticCache
+
+        return NPRFStaticCache(model.config)
     from transformers import DynamicCache
 
     return DynamicCache(config=model.config)
@@ -110,6 +120,14 @@ def measure_point(variant, context, args):
     model = build_model(variant, args, context + args.new_tokens + args.warmup_tokens)
     prompt = torch.randint(3, args.vocab_size, (1, context), device=device)
     cache = new_cache(variant, model)
+    step = model
+    if variant == "nprf_compiled":
+        from torch._dynamo.utils import counters
+
+        torch._dynamo.reset()
+        counters.clear()
+        options = {} if args.compile_mode is None else {"mode": args.compile_mode}
+        step = torch.compile(model, fullgraph=True, dynamic=False, backend=args.compile_backend, **options)
     with torch.inference_mode():
         _synchronize(device)
         start = time.perf_counter()
@@ -118,16 +136,23 @@ def measure_point(variant, context, args):
         _synchronize(device)
         prefill = time.perf_counter() - start
         del out
-        for _ in range(args.warmup_tokens):  # untimed: first calls pay one-off costs
-            token = model(token, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
+        _synchronize(device)
+        start = time.perf_counter()
+        for _ in range(args.warmup_tokens):  # untimed: first calls pay one-off costs (the compile, if any)
+            token = step(token, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
+        _synchronize(device)
+        warmup = time.perf_counter() - start
         times = []
         with PeakMemory(device) as memory:
             for _ in range(args.new_tokens):
                 _synchronize(device)
                 start = time.perf_counter()
-                token = model(token, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
+                token = step(token, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
                 _synchronize(device)
                 times.append(time.perf_counter() - start)
+    compiled = {}
+    if variant == "nprf_compiled":
+        compiled = {"compiled_graphs": counters["stats"]["unique_graphs"], "warmup_s": warmup}
     return {
         "status": "ok",
         "prefill_s": prefill,
@@ -138,7 +163,8 @@ def measure_point(variant, context, args):
         "memory_method": memory.method,
         "cache_bytes_per_layer": cache_bytes_per_layer(cache),
         "cache_class": type(cache).__name__,
-        "final_length": cache.get_seq_length(),
+        "final_length": int(cache.get_seq_length()),
+        **compiled,
     }
 
 
@@ -238,8 +264,10 @@ def summary_table(results, variants, contexts):
     return "\n".join(lines)
 
 
-COLORS = {"nprf": "tab:red", "softmax": "tab:blue", "nprf_kv": "tab:orange"}
-LABELS = {"nprf": "NPRF + RPE, NPRFCache", "softmax": "RoBERTa SDPA, KV cache", "nprf_kv": "NPRF + RPE, KV cache"}
+COLORS = {"nprf": "tab:red", "softmax": "tab:blue", "nprf_kv": "tab:orange", "nprf_static": "tab:purple",
+          "nprf_compiled": "tab:green"}
+LABELS = {"nprf": "NPRF + RPE, NPRFCache", "softmax": "RoBERTa SDPA, KV cache", "nprf_kv": "NPRF + RPE, KV cache",
+          "nprf_static": "NPRF + RPE, NPRFStaticCache", "nprf_compiled": "NPRF + RPE, NPRFStaticCache, compiled step"}
 
 
 def plot(results, meta, path):
@@ -292,6 +320,8 @@ def parse_args(argv=None):
     parser.add_argument("--vocab-size", type=int, default=50265)
     parser.add_argument("--num-features", type=int, default=None, help="NPRF random features m (default: config's)")
     parser.add_argument("--algorithm", default="auto", help="NPRF attention_algorithm of the prefill")
+    parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend of nprf_compiled")
+    parser.add_argument("--compile-mode", default=None, help="torch.compile mode of nprf_compiled (e.g. reduce-overhead)")
     parser.add_argument("--time-cap", type=float, default=1800.0, help="seconds per (variant, context) point")
     parser.add_argument("--isolation", default="process", choices=("process", "none"))
     parser.add_argument("--output", default=DEFAULT_OUTPUT, help="JSON path")
@@ -299,6 +329,8 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if any(n < 1 for n in args.contexts) or args.new_tokens < 1 or args.warmup_tokens < 0:
         parser.error("--contexts and --new-tokens must be positive, --warmup-tokens >= 0")
+    if "nprf_compiled" in args.variants and args.warmup_tokens < 1:
+        parser.error("nprf_compiled compiles during the warm-up: --warmup-tokens >= 1")
     if args.num_layers < 1 or args.threads < 1:
         parser.error("--num-layers and --threads must be >= 1")
     if args.hidden_size % args.num_heads:
@@ -323,7 +355,7 @@ def main(argv=None):
             status = result["status"]
             if status == "ok":
                 status = f"{result['time_per_token_s'] * 1e3:.1f} ms/token"
-            print(f"{variant:>8} context {context:>6}: {status}", flush=True)
+            print(f"{variant:>13} context {context:>6}: {status}", flush=True)
     meta = {
         "command": "python " + " ".join([os.path.relpath(__file__)] + (sys.argv[1:] if argv is None else list(argv))),
         "args": dict(vars(args)),

@@ -611,3 +611,27 @@ def test_inductor_compiled_static_generation_equals_eager(fresh_dynamo):
                                       compile_config=config, **kwargs)
         assert_same_generation(compiled, eager, atol=1e-4)
     assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_generation_benchmark_times_the_static_cache_eager_and_compiled(tmp_path, fresh_dynamo):
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "generation.py")
+    spec = importlib.util.spec_from_file_location("benchmark_generation", path)
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    out = str(tmp_path / "generation.json")
+    results = benchmark.main(["--num-layers", "1", "--hidden-size", "32", "--num-heads", "2", "--vocab-size", "100",
+                              "--threads", "1", "--contexts", "16", "80", "--new-tokens", "3", "--warmup-tokens", "1",
+                              "--isolation", "none", "--variants", "nprf", "nprf_static", "nprf_compiled",
+                              "--compile-backend", "aot_eager", "--output", out, "--plot", ""])
+    by = {(r["variant"], r["context"]): r for r in results}
+    for r in results:
+        assert r["status"] == "ok", r
+        assert r["final_length"] == r["context"] + 1 + 3
+    for context in (16, 80):
+        assert by[("nprf_static", context)]["cache_class"] == by[("nprf_compiled", context)]["cache_class"] == "NPRFStaticCache"
+        assert by[("nprf_compiled", context)]["compiled_graphs"] == 1  # compiled in the warm-up, no recompile after
+        assert by[("nprf_static", context)]["cache_bytes_per_layer"] == by[("nprf", 16)]["cache_bytes_per_layer"]
+    with pytest.raises(SystemExit):
+        benchmark.parse_args(["--variants", "nprf_compiled", "--warmup-tokens", "0"])
