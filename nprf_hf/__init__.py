@@ -5,7 +5,7 @@ DistilBERT). Importing the package registers every model with the Auto classes."
 import transformers
 
 from . import functional
-from .cache_nprf import NPRFCache
+from .cache_nprf import NPRFCache, NPRFStaticCache
 from .configuration_nprf import NPRF_CONFIG_CLASSES
 from .convert import convert_checkpoint, convert_to_nprf
 from .families import HEADS
@@ -28,7 +28,7 @@ for _model_type, _config_class in NPRF_CONFIG_CLASSES.items():
             getattr(transformers, HEADS[_head].auto_class).register(_config_class, _model_class, exist_ok=True)
 globals().update(_EXPORTS)
 
-__all__ = ["functional", "NPRFCache", "convert_to_nprf", "convert_checkpoint", "attention_transfer", "read_transfer_texts", "TransferReport",
+__all__ = ["functional", "NPRFCache", "NPRFStaticCache", "convert_to_nprf", "convert_checkpoint", "attention_transfer", "read_transfer_texts", "TransferReport",
            "long_context_distillation", "LongContextReport", "read_long_text", "chunk_and_pool", "embed_documents",
            "set_attention_variant",
            *_EXPORTS]
