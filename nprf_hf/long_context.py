@@ -32,18 +32,12 @@ import torch
 from torch.nn import functional as F
 
 from .options import LONG_CONTEXT_DEFAULTS, LONG_CONTEXT_TRAIN
+from .transfer import mean_pool  # the pooling the transfer's faithfulness report uses too
 
 
 # ---------------------------------------------------------------------------------------------
 # Embedding: whole document and chunk-and-pool
 # ---------------------------------------------------------------------------------------------
-
-
-def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """[B, n, h] hidden states, [B, n] mask (1 = real token) -> [B, h] L2-normalized mean over real tokens."""
-    weight = mask.to(hidden.dtype)[..., None]
-    pooled = (hidden * weight).sum(1) / weight.sum(1).clamp_min(1.0)
-    return F.normalize(pooled, dim=-1)
 
 
 def _special_tokens(tokenizer):

@@ -240,6 +240,13 @@ def shuffled_cycle(items, generator):
     return take
 
 
+def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B, n, h] hidden states, [B, n] mask (1 = real token) -> [B, h] L2-normalized mean over real tokens."""
+    weight = mask.to(hidden.dtype)[..., None]
+    pooled = (hidden * weight).sum(1) / weight.sum(1).clamp_min(1.0)
+    return torch.nn.functional.normalize(pooled, dim=-1)
+
+
 def _check_pair(student, teacher):
     student_config, teacher_config = student.config, teacher.config
     if not student_config.model_type.startswith("nprf_"):
@@ -357,8 +364,6 @@ def attention_transfer(
         return _layer_errors(student_layers, student_encoder, recorder, mask, segment_ids, token_ids, student_layout)
 
     def evaluate():
-        from .long_context import mean_pool
-
         total, cosine, count = None, 0.0, 0
         with torch.no_grad():
             for chunk in eval_sets:
