@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from nprf_hf import functional as Fn
+from nprf_hf import nprf_banded, nprf_fft
 from nprf_hf.options import RECOMPUTE_MODES
 
 
@@ -96,7 +97,7 @@ def matmul_gflops(device, size=2048):
 
 def banded_flops(batch, heads, n, d, m, band_width=91):
     """Multiply-adds x 2 of the banded algorithm's matmuls and feature maps (forward)."""
-    reach, chunk = Fn._banded_chunking(band_width)
+    reach, chunk = nprf_banded.banded_chunking(band_width)
     window = (2 * reach + 1) * chunk
     chunks = -(-n // chunk)
     e = d + 1
@@ -139,7 +140,7 @@ def sdpa_step(inputs, backward):
 
 
 def fft_floor_step(batch, heads, n, d, m, device):
-    length = Fn._fft_length(2 * n - 1)
+    length = nprf_fft.fft_length(2 * n - 1)
     channels = F.pad(torch.randn(batch * heads, m, d + 1, n, device=device), (0, length - n))  # as the fft path pads
     return lambda: torch.fft.irfft(torch.fft.rfft(channels), n=length)
 

@@ -28,14 +28,10 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, EncoderDecoderCache
 from transformers.masking_utils import create_masks_for_generate
 
-from .functional import (
-    _compute_dtype,
-    _values_and_ones,
-    nprf_attention,
-    relative_position_bias,
-    t5_relative_position_bucket,
-    variant_features,
-)
+from .functional import normalize_attention, nprf_attention, toeplitz_coefficients
+from .nprf_features import compute_dtype, values_and_ones, variant_features
+from .nprf_positions import relative_position_bias, t5_relative_position_bucket
+from .nprf_terms import AttentionTerms
 from .options import QUADRATIC_VARIANTS
 
 
@@ -111,15 +107,6 @@ def recurrent_attention(phi_q, phi_k, u, far_states, ring_features, ring_values,
         ring_features, ring_values = window_features[:, :, length:].clone(), window_values[:, :, length:].clone()
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-2)
     return out, far_states, ring_features, ring_values
-
-
-def normalize_attention(out, dtype):
-    """[numerator | denominator] [B, H, L, e] -> z = numerator / denominator [B, H, L, e - 1] in `dtype`;
-    a query with no key to attend to gets zeros (as `nprf_attention`)."""
-    numerator, denominator = out[..., :-1], out[..., -1:]
-    valid = denominator != 0
-    z = numerator / torch.where(valid, denominator, torch.ones_like(denominator))
-    return z.masked_fill_(~valid, 0.0).to(dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,8 +305,8 @@ class NPRFCache(Cache):
         num_buckets=32,
         max_distance=128,
         algorithm="auto",
-        logit_scale=None,
         variant="nprf",
+        terms=None,
     ):
         """Causal NPRF attention of the new tokens to everything the layer has seen, advancing its state.
         `variant`: one whose kernel factors into features (`functional.variant_features`).
@@ -334,21 +321,27 @@ class NPRFCache(Cache):
                 what generate() gives a compiled decode step, one shape however long the context).
             rpe_table: [H, num_buckets] unidirectional bucket table. projection: [H, m, d] or [m, d].
             band_width: W of the unidirectional buckets (`rpe_band_width(..., bidirectional=False)`).
+            terms: the layer's optional terms (`nprf_terms.AttentionTerms`); a decoder's apply to the features only.
         Returns:
             [B, H, L, d] attention output.
         """
+        terms = AttentionTerms() if terms is None else terms
+        if terms.pair_terms:
+            raise ValueError(f"NPRFCache's recurrent state applies feature terms only, not {terms.pair_terms[0].name}")
+        terms.check(query.shape[0], query.shape[1], query.shape[2], True, variant)
+        logit_scale = terms.logit_scale
         layer = self.layer(layer_idx)
         batch, length = query.shape[0], query.shape[2]
         prefill = not layer.has_state
         mask = self._check_call(layer, layer_idx, batch, length, key_padding_mask, projection)
         # the new tokens are the mask's last columns, whether it covers the whole sequence or only them
         new_mask = None if mask is None else mask[:, mask.shape[-1] - length :]
-        dtype = _compute_dtype(query.dtype)
+        dtype = compute_dtype(query.dtype)
         # The new keys' features (padded keys zeroed after the map: phi(0) != 0) and [v | 1].
         phi_k = variant_features(key.to(dtype), projection, variant, logit_scale)
         if new_mask is not None:
             phi_k = phi_k * new_mask[:, None, :, None].to(dtype)
-        u = _values_and_ones(value.to(dtype))
+        u = values_and_ones(value.to(dtype))
         if prefill:  # the fast exact algorithms over the prompt, then the state from its keys
             bias = relative_position_bias(rpe_table, length, False, num_buckets, max_distance)
             out = nprf_attention(
@@ -361,17 +354,17 @@ class NPRFCache(Cache):
                 algorithm=algorithm,
                 causal=True,
                 band_width=band_width,
-                logit_scale=logit_scale,
                 variant=variant,
+                terms=terms,
             )
             state = recurrent_state_from_prefill(phi_k, u, band_width)
         else:
             phi_q = variant_features(query.to(dtype), projection, variant, logit_scale)
             bias = causal_distance_bias(rpe_table, band_width, num_buckets, max_distance).to(dtype)
-            c = torch.exp(bias - bias.amax(dim=-1, keepdim=True).detach())  # ratios are shift-invariant; c <= 1
+            c, _ = toeplitz_coefficients(bias)
             state = (layer.far_states, layer.ring_features, layer.ring_values)
             sums, *state = recurrent_attention(phi_q, phi_k, u, *state, c)
-            out = normalize_attention(sums, query.dtype)
+            out = normalize_attention(sums[..., :-1], sums[..., -1:]).to(query.dtype)
         real = torch.full((batch,), length, device=query.device) if new_mask is None else new_mask.sum(-1)
         layer.store(*state, real, length)
         if not torch.compiler.is_compiling():  # storage ids cannot be traced; generate() keeps the projection anyway
@@ -581,7 +574,6 @@ __all__ = [
     "NPRFStaticCache",
     "NPRFStaticCacheLayer",
     "causal_distance_bias",
-    "normalize_attention",
     "recurrent_attention",
     "recurrent_state_from_prefill",
 ]

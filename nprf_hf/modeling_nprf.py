@@ -39,7 +39,6 @@ Design notes:
 """
 
 import inspect
-import math
 import types
 
 import torch
@@ -59,11 +58,13 @@ from .families import ATTENTION_LAYOUTS, FAMILIES, HEADS, family_of
 from .options import NPRF_FIELDS, RECOMPUTE_MODES
 from .functional import (
     draw_projection,
+    normalize_attention,
     nprf_attention,
     nprf_attention_weights,
     relative_position_bias,
     rpe_band_width,
 )
+from .nprf_terms import ATTENTION_TERMS, AttentionTerms
 
 
 logger = logging.get_logger(__name__)
@@ -204,25 +205,15 @@ class NPRFSelfAttention(nn.Module):
             self.rpe_table = None
         else:
             self.rpe_table = nn.Parameter(torch.zeros(self.num_attention_heads, config.rpe_num_buckets))
-        # s = logit_scale_max * sigmoid(logit_scale_logit): bounded, so the PRF estimate's variance stays bounded
-        if config.logit_scale_max > 0:
-            self.logit_scale_logit = nn.Parameter(torch.full((self.num_attention_heads,), _unit_scale_logit(config)))
-        else:
-            self.logit_scale_logit = None
-        # beta_h, added to the relative bias of pairs in different segments (0 = distance only)
-        if config.segment_bias:
-            self.cross_segment_bias = nn.Parameter(torch.zeros(self.num_attention_heads))
-        else:
-            self.cross_segment_bias = None
+        # the optional terms' per-head parameters (`nprf_terms`), None where their config field is off
+        for term in ATTENTION_TERMS:
+            value = term.initial_value(config) if term.enabled(config) else None
+            parameter = None if value is None else nn.Parameter(torch.full((self.num_attention_heads,), value))
+            setattr(self, term.parameter, parameter)
         # a bound on the segment ids, which torch.compile cannot read from them (`nprf_attention`): the token
         # types, or the separator rule's 0 / 1
         separators = family_of(config.model_type).segments == "separators"
         self.num_segments = 2 if separators else getattr(config, "type_vocab_size", None)
-        # mu_h >= 0, the weight of the same token in the other segment (0 = no word matching)
-        if config.token_match:
-            self.token_match_weight = nn.Parameter(torch.zeros(self.num_attention_heads))
-        else:
-            self.token_match_weight = None
 
     @classmethod
     def adopt(cls, module, config, layout, layer_idx):
@@ -241,9 +232,13 @@ class NPRFSelfAttention(nn.Module):
 
     def logit_scale(self):
         """[H] per-head scale s of the normalized content logits, or None (s = 1, the paper's NPRF)."""
-        if self.logit_scale_logit is None:
-            return None
-        return self.config.logit_scale_max * torch.sigmoid(self.logit_scale_logit.float())
+        return self.attention_terms().logit_scale
+
+    def attention_terms(self, segment_ids=None, token_ids=None):
+        """This layer's optional terms for one forward (`nprf_terms.AttentionTerms`), from its parameters and
+        the inputs the base model derives once per forward (`term_inputs`)."""
+        inputs = {"segment_ids": segment_ids, "token_ids": token_ids}
+        return AttentionTerms(*(term.of_layer(self, inputs) for term in ATTENTION_TERMS))
 
     def draw_projection(self, draw_index):
         """[H, m, d] float32 on CPU, drawn from `projection_generator(projection_seed, layer, draw_index)`."""
@@ -340,12 +335,7 @@ class NPRFSelfAttention(nn.Module):
             )
         key_padding_mask, general_mask = self.mask_forms(attention_mask, query_length, key_length, query.shape[0])
 
-        logit_scale = self.logit_scale()
-        segments = {}
-        if self.cross_segment_bias is not None and segment_ids is not None:
-            segments = {"segment_ids": segment_ids, "segment_bias": self.cross_segment_bias}
-            if self.token_match_weight is not None and token_ids is not None:
-                segments.update(token_ids=token_ids, match_weight=self.token_match_weight.clamp_min(0.0))
+        terms = self.attention_terms(segment_ids, token_ids)
         output_attentions = kwargs.get("output_attentions")
         if output_attentions is None:
             output_attentions = getattr(self.config, "output_attentions", False)
@@ -371,9 +361,8 @@ class NPRFSelfAttention(nn.Module):
                 self.projection,
                 key_padding_mask=key_padding_mask,
                 causal=self.is_causal,
-                logit_scale=logit_scale,
                 variant=self.config.attention_variant,
-                **segments,
+                terms=terms,
             )[:, :, first:]
             attn_output = (attn_weights.to(value.dtype) @ value).to(value.dtype)
         elif general_mask is None:
@@ -387,23 +376,20 @@ class NPRFSelfAttention(nn.Module):
                 algorithm=self.config.attention_algorithm,
                 causal=self.is_causal,
                 band_width=self.band_width,
-                logit_scale=logit_scale,
                 recompute=RECOMPUTE_MODES[self.config.attention_recompute],
-                num_segments=self.num_segments,
                 variant=self.config.attention_variant,
-                **segments,
+                terms=terms,
             )[:, :, first:]
         else:
             # Exact for any mask: restrict the unmasked weights to the allowed keys and renormalize, in
             # float32 for half inputs (the allowed keys' share of a row can underflow float16).
             compute_dtype = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
             weights = nprf_attention_weights(
-                query.to(compute_dtype), key.to(compute_dtype), rpe_bias, self.projection, logit_scale=logit_scale,
-                variant=self.config.attention_variant, **segments,
+                query.to(compute_dtype), key.to(compute_dtype), rpe_bias, self.projection,
+                variant=self.config.attention_variant, terms=terms,
             )
             weights = weights[:, :, first:] * general_mask
-            total = weights.sum(-1, keepdim=True)
-            attn_weights = weights / torch.where(total > 0, total, torch.ones_like(total))
+            attn_weights = normalize_attention(weights, weights.sum(-1, keepdim=True))
             attn_output = (attn_weights @ value.to(compute_dtype)).to(value.dtype)
             attn_weights = attn_weights.to(value.dtype)
 
@@ -452,8 +438,8 @@ class NPRFSelfAttention(nn.Module):
             num_buckets=self.config.rpe_num_buckets,
             max_distance=self.config.rpe_max_distance,
             algorithm=self.config.attention_algorithm,
-            logit_scale=self.logit_scale(),
             variant=self.config.attention_variant,
+            terms=self.attention_terms(),
         )
 
 
@@ -577,11 +563,6 @@ def check_model_attention_mask(attention_mask, batch_size):
 # ---------------------------------------------------------------------------------------------
 
 
-def _unit_scale_logit(config):
-    """The logit_scale_logit that gives s = 1 (the paper's NPRF) under `logit_scale_max`."""
-    return -math.log(config.logit_scale_max - 1.0)
-
-
 def set_attention_variant(model, variant, num_random_features=None, projection_seed=None, feature_map=None):
     """Switch every NPRF self-attention of `model` to `variant` (one of `options.ATTENTION_VARIANTS`), in place,
     without touching a trained weight: only the random projection is drawn again (from the new
@@ -616,6 +597,17 @@ def segment_ids_from_inputs(config, input_ids=None, token_type_ids=None):
         separators = (input_ids == config.eos_token_id).long()
         return ((separators.cumsum(-1) - separators) > 0).long()
     return token_type_ids
+
+
+def term_inputs(config, input_ids=None, token_type_ids=None, segment_ids=None, token_ids=None):
+    """{"segment_ids", "token_ids"}: what the optional terms (`NPRFSelfAttention.attention_terms`) read from the
+    inputs, derived once per forward where the config asks for them (explicit ids are kept); the base model and
+    attention transfer both call this."""
+    if config.segment_bias and segment_ids is None:
+        segment_ids = segment_ids_from_inputs(config, input_ids, token_type_ids)
+    if config.token_match and token_ids is None:
+        token_ids = input_ids
+    return {"segment_ids": segment_ids, "token_ids": token_ids}
 
 
 class NPRFPreTrainedMixin:
@@ -675,11 +667,11 @@ class NPRFPreTrainedMixin:
         super()._init_weights(module)
         if isinstance(module, NPRFSelfAttention):
             init.copy_(module.projection, module.draw_projection(0))
-            for name in ("rpe_table", "cross_segment_bias", "token_match_weight"):
-                if getattr(module, name) is not None:
-                    init.zeros_(getattr(module, name))
-            if module.logit_scale_logit is not None:
-                init.constant_(module.logit_scale_logit, _unit_scale_logit(module.config))
+            if module.rpe_table is not None:
+                init.zeros_(module.rpe_table)
+            for term in ATTENTION_TERMS:
+                if getattr(module, term.parameter) is not None:
+                    init.constant_(getattr(module, term.parameter), term.initial_value(module.config))
         elif isinstance(module, NPRFEmbeddings) and hasattr(module, "position_ids"):
             init.copy_(module.position_ids, torch.arange(module.position_ids.shape[-1]).expand((1, -1)))
         elif isinstance(getattr(module, "redraw_step", None), torch.Tensor):  # the encoder of an NPRF base model
@@ -812,10 +804,8 @@ class NPRFModelMixin:
                 arguments["rpe_bias"] = relative_position_bias(
                     table, key_length, not causal, self.config.rpe_num_buckets, self.config.rpe_max_distance
                 )
-        if self.config.segment_bias and arguments.get("segment_ids") is None:
-            arguments["segment_ids"] = segment_ids_from_inputs(self.config, input_ids, arguments.get("token_type_ids"))
-        if self.config.token_match and arguments.get("token_ids") is None:
-            arguments["token_ids"] = input_ids
+        arguments.update(term_inputs(self.config, input_ids, arguments.get("token_type_ids"),
+                                     arguments.get("segment_ids"), arguments.get("token_ids")))
         return super().forward(**arguments)
 
 

@@ -25,6 +25,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from .nprf_terms import ATTENTION_TERMS
 from .options import TRANSFER_DEFAULTS
 
 
@@ -34,7 +35,7 @@ Text = Union[str, Tuple[str, str]]
 # shared RPE table); with train_value_output also the value and output projections.
 # The RPE tables and logit scales are biases in logit units, far from where they must go (a zero table,
 # s = 1): Adam moves a parameter by about its rate per step, so they get a rate of their own.
-TABLE_PARAMETERS = ("rpe_table", "logit_scale_logit", "cross_segment_bias", "token_match_weight")
+TABLE_PARAMETERS = ("rpe_table", *(term.parameter for term in ATTENTION_TERMS))
 
 
 @dataclass
@@ -354,14 +355,10 @@ def attention_transfer(
         return batch["attention_mask"].bool(), teacher_output.last_hidden_state
 
     def student_errors(batch, mask):
-        from .modeling_nprf import segment_ids_from_inputs
+        from .modeling_nprf import term_inputs
 
-        segment_ids = token_ids = None
-        if getattr(student.config, "segment_bias", False):
-            segment_ids = segment_ids_from_inputs(student.config, batch["input_ids"], batch.get("token_type_ids"))
-        if getattr(student.config, "token_match", False):
-            token_ids = batch["input_ids"]
-        return _layer_errors(student_layers, student_encoder, recorder, mask, segment_ids, token_ids, student_layout)
+        inputs = term_inputs(student.config, batch["input_ids"], batch.get("token_type_ids"))
+        return _layer_errors(student_layers, student_encoder, recorder, mask, **inputs, layout=student_layout)
 
     def evaluate():
         total, cosine, count = None, 0.0, 0

@@ -19,24 +19,16 @@ from nprf_hf import (
     NPRFRobertaForCausalLM,
     functional,
 )
+from nprf_hf import nprf_banded, nprf_terms
 from nprf_hf.cache_nprf import NPRFCache
 from nprf_hf.modeling_nprf import NPRF_MODEL_CLASSES
+
+from conftest import tiny_nprf_config
 
 
 # 8 buckets / max distance 16: a band of W = 6, so at 80 tokens the banded algorithm really bands
 # (5 chunks of 16 > the 3-chunk window) and `auto` picks it (test_auto_picks_banded_at_the_test_length).
-TINY = dict(
-    vocab_size=99,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    intermediate_size=37,
-    num_random_features=16,
-    hidden_dropout_prob=0.0,
-    attention_probs_dropout_prob=0.0,
-    rpe_num_buckets=8,
-    rpe_max_distance=16,
-)
+TINY = tiny_nprf_config(num_attention_heads=4, max_position_embeddings=512)
 LENGTH = 80
 ATOL, RTOL = 1e-5, 1e-4
 slow = pytest.mark.skipif(
@@ -113,7 +105,7 @@ def test_auto_picks_banded_at_the_test_length():
     # in training (without autograd auto keeps dense longer: the inference tests' "auto" runs dense)
     picked, _ = functional._resolve_algorithm("auto", bias, LENGTH, attention.band_width, features, head_dim + 1)
     assert picked == "banded"
-    assert -(-LENGTH // functional._banded_chunking(attention.band_width)[1]) > 3  # more chunks than one window
+    assert -(-LENGTH // nprf_banded.banded_chunking(attention.band_width)[1]) > 3  # more chunks than one window
 
 
 @pytest.mark.parametrize("algorithm", functional.ALGORITHMS)
@@ -156,8 +148,8 @@ def test_group_ids_compiled_equal_unique():
     generator = torch.Generator().manual_seed(0)
     keys = torch.stack([torch.arange(3).repeat_interleave(20), torch.randint(0, 2, (60,), generator=generator),
                         torch.randint(0, 5, (60,), generator=generator)])
-    expected, count = functional._group_ids(keys)
-    inverse, bound = torch.compile(functional._group_ids, backend="eager", fullgraph=True)(keys)
+    expected, count = nprf_terms.group_ids(keys)
+    inverse, bound = torch.compile(nprf_terms.group_ids, backend="eager", fullgraph=True)(keys)
     assert bound == keys.shape[1] and count == int(expected.max()) + 1
     assert torch.equal(inverse, expected)
 

@@ -1,4 +1,4 @@
-"""nprf_hf.functional against an independent float64 dense reference written here."""
+"""nprf_hf.functional against the independent float64 dense reference `nprf_hf.nprf_naive`."""
 
 import math
 
@@ -7,6 +7,8 @@ import torch
 from transformers.models.t5.modeling_t5 import T5Attention
 
 from nprf_hf import functional as Fn
+from nprf_hf import nprf_banded, nprf_fft
+from nprf_hf.nprf_naive import naive_attention
 
 
 EXACT = ("dense", "fft", "banded", "auto")
@@ -16,38 +18,10 @@ def reference_attention(
     query, key, value, bias, projection, mask=None, causal=False, logit_scale=None, segment_ids=None, segment_bias=None,
     token_ids=None, match_weight=None,
 ):
-    """Float64, the formula of the paper written out with explicit n x n matrices; with `logit_scale`
-    s [H], q_hat and k_hat are scaled by sqrt(s) before the feature map (kernel exp(s q_hat . k_hat))."""
-    q, k, v, bias, projection = (t.double() for t in (query, key, value, bias, projection))
-    batch, heads, n, _ = q.shape
-    q = q / q.norm(dim=-1, keepdim=True)
-    k = k / k.norm(dim=-1, keepdim=True)
-    if logit_scale is not None:
-        root = logit_scale.double().sqrt()[:, None, None]
-        q, k = q * root, k * root
-    if projection.dim() == 2:
-        projection = projection.expand(heads, *projection.shape)
-    m = projection.shape[1]
-    phi_q = torch.exp(torch.einsum("bhnd,hmd->bhnm", q, projection) - 0.5 * q.square().sum(-1, keepdim=True)) / math.sqrt(m)
-    phi_k = torch.exp(torch.einsum("bhnd,hmd->bhnm", k, projection) - 0.5 * k.square().sum(-1, keepdim=True)) / math.sqrt(m)
-    i = torch.arange(n)[:, None]
-    j = torch.arange(n)[None, :]
-    coefficient = torch.exp(bias[:, j - i + n - 1])  # [H, n, n]
-    kernel = torch.einsum("bhim,bhjm->bhij", phi_q, phi_k)
-    weights = kernel * coefficient
-    if segment_ids is not None:  # exp(b_{j-i} + beta [s_i != s_j])
-        crossing = (segment_ids[:, :, None] != segment_ids[:, None, :]).double()[:, None]
-        weights = weights * torch.exp(segment_bias.double()[:, None, None] * crossing)
-    if token_ids is not None:  # + mu [t_i = t_j, s_i != s_j]
-        matches = crossing * (token_ids[:, :, None] == token_ids[:, None, :]).double()[:, None]
-        weights = weights + kernel * match_weight.double()[:, None, None] * matches
-    if causal:
-        weights = weights * (j <= i)
-    if mask is not None:
-        weights = weights * mask.double()[:, None, None, :]
-    total = weights.sum(-1, keepdim=True)
-    out = weights @ v / total
-    return torch.where(total > 0, out, torch.zeros_like(out))
+    """The package's float64 reference (`nprf_hf.nprf_naive`, checked against softmax in test_nprf_naive.py)."""
+    return naive_attention(query, key, value, bias, projection, mask, causal, logit_scale=logit_scale,
+                           segment_ids=segment_ids, segment_bias=segment_bias, token_ids=token_ids,
+                           match_weight=match_weight)
 
 
 def t5_bias(heads, n, num_buckets=32, max_distance=128, bidirectional=True, scale=1.0):
@@ -76,7 +50,7 @@ def rel_error(out, ref):
 @pytest.fixture
 def small_chunks(monkeypatch):
     """Let the banded algorithm chunk short sequences, so that it is exercised at small n."""
-    monkeypatch.setattr(Fn, "BANDED_MIN_CHUNK", 4)
+    monkeypatch.setattr(nprf_banded, "BANDED_MIN_CHUNK", 4)
 
 
 # --- relative positions ------------------------------------------------------------------------
@@ -362,7 +336,7 @@ def test_banded_with_bias_constant_beyond_varied_widths(tail, small_chunks):
     bias = torch.randn(heads, 2 * n - 1, dtype=torch.float64)
     bias[:, : n - tail] = bias[:, :1]
     bias[:, n - 1 + tail:] = bias[:, -1:]
-    assert Fn._infer_band_width(bias, n) == tail
+    assert Fn.infer_band_width(bias, n) == tail
     q, k, v, projection = random_inputs(2, heads, n, 8, 6)
     mask = random_padding(2, n)
     out = Fn.nprf_attention(q, k, v, bias, projection, mask, algorithm="banded")
@@ -559,7 +533,7 @@ def test_banded_refuses_learnable_bias_without_band_width():
 
 def test_fft_length_is_fast_and_sufficient():
     for minimum in (1, 2, 3, 127, 255, 1399, 2047, 32767):
-        length = Fn._fft_length(minimum)
+        length = nprf_fft.fft_length(minimum)
         assert length >= minimum and length < 2 * minimum + 2
         rest = length
         for p in (2, 3, 5):

@@ -9,7 +9,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from nprf_hf import NPRFRobertaConfig, NPRFRobertaForCausalLM
-from nprf_hf import cache_nprf, functional
+from nprf_hf import cache_nprf, nprf_banded
 from nprf_hf.cache_nprf import (
     NPRFCache,
     NPRFStaticCache,
@@ -17,27 +17,17 @@ from nprf_hf.cache_nprf import (
     recurrent_attention,
     recurrent_state_from_prefill,
 )
-from nprf_hf.functional import _toeplitz, _values_and_ones, relative_position_bias, rpe_band_width
+from nprf_hf.functional import relative_position_bias, rpe_band_width
+from nprf_hf.nprf_features import values_and_ones
+from nprf_hf.nprf_positions import toeplitz_matrix
 from transformers import CompileConfig, DynamicCache
+
+from conftest import tiny_nprf_config
 
 
 # 8 buckets / max distance 16 give a band of W = 12 (unidirectional): prompts of 5 and 30 tokens lie on
 # both sides of it, and 30 + the new tokens let keys leave the band during generation.
-TINY = dict(
-    vocab_size=99,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    intermediate_size=37,
-    num_random_features=16,
-    hidden_dropout_prob=0.0,
-    attention_probs_dropout_prob=0.0,
-    rpe_num_buckets=8,
-    rpe_max_distance=16,
-    position_embedding_type="none",
-    is_decoder=True,
-    pad_token_id=1,
-)
+TINY = tiny_nprf_config(max_position_embeddings=512, position_embedding_type="none", is_decoder=True, pad_token_id=1)
 W = rpe_band_width(8, 16, bidirectional=False)
 
 
@@ -83,7 +73,7 @@ def dense_causal_reference(phi_q, phi_k, u, table, num_buckets=8, max_distance=1
     n = phi_q.shape[-2]
     bias = relative_position_bias(table, n, False, num_buckets, max_distance)
     c = torch.exp(bias).masked_fill(torch.arange(2 * n - 1) > n - 1, 0.0)
-    return ((phi_q @ phi_k.transpose(-1, -2)) * _toeplitz(c, n)) @ u
+    return ((phi_q @ phi_k.transpose(-1, -2)) * toeplitz_matrix(c, n)) @ u
 
 
 @pytest.mark.parametrize("prompt", [1, 5, W - 1, W, 30])
@@ -94,7 +84,7 @@ def test_recurrent_attention_equals_the_dense_product(prompt, block, monkeypatch
     batch, heads, n, m, d = 2, 3, 45, 6, 5
     phi_q, phi_k = torch.rand(2, batch, heads, n, m, generator=generator, dtype=torch.float64).unbind(0)
     phi_k[1, :, :3] = 0.0  # left padding of row 1
-    u = _values_and_ones(torch.randn(batch, heads, n, d, generator=generator, dtype=torch.float64))
+    u = values_and_ones(torch.randn(batch, heads, n, d, generator=generator, dtype=torch.float64))
     table = torch.randn(heads, 8, generator=generator, dtype=torch.float64)
     expected = dense_causal_reference(phi_q, phi_k, u, table)
 
@@ -137,9 +127,9 @@ def test_cached_decoding_equals_the_full_forward_float64(algorithm, prompt_lengt
     mask[:, prompt:] = 1
     full = model(input_ids, attention_mask=mask, use_cache=False).logits
     band_products = []
-    original = functional._BandWindowProduct.apply
+    original = nprf_banded._BandWindowProduct.apply
     spy = staticmethod(lambda *args: band_products.append(1) or original(*args))
-    monkeypatch.setattr(functional._BandWindowProduct, "apply", spy)
+    monkeypatch.setattr(nprf_banded._BandWindowProduct, "apply", spy)
     logits, cache = decode_logits(model, input_ids, mask, prompt)
     assert bool(band_products) == (algorithm == "banded" and prompt > 48)  # the banded prefill used its band
     assert isinstance(cache, NPRFCache) and cache.get_seq_length() == prompt + new

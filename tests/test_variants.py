@@ -1,14 +1,14 @@
 """The attention variants of the paper's ablations (`attention_variant`, `relative_position_bias`): each against
-an independent float64 dense reference written here (values, gradients, padding, causal, the optional terms),
+the independent float64 dense reference `nprf_hf.nprf_naive` (values, gradients, padding, causal, the optional terms),
 through the models (padding, causality, cached generation), and the switch of a trained model to NPRF."""
-
-import math
 
 import pytest
 import torch
 
 import nprf_hf
 from nprf_hf import functional as Fn
+from nprf_hf import nprf_banded
+from nprf_hf.nprf_naive import naive_attention
 from nprf_hf.options import ATTENTION_VARIANTS
 
 
@@ -18,44 +18,10 @@ QUADRATIC = ("normalized_softmax", "softmax")  # the exact kernels, computed den
 
 def reference_variant(query, key, value, bias, projection, variant, mask=None, causal=False, logit_scale=None,
                       segment_ids=None, segment_bias=None, token_ids=None, match_weight=None):
-    """Float64 with explicit n x n matrices: row-normalized kernel(q_i, k_j) exp(b_{j-i}) (exp(beta) across
-    segments, + mu kernel for the same token across segments), padded and (causal) future keys dropped."""
-    q, k, v, bias = (t.double() for t in (query, key, value, bias))
-    batch, heads, n, d = q.shape
-    if variant in ("nprf", "normalized_softmax"):
-        q, k = q / q.norm(dim=-1, keepdim=True), k / k.norm(dim=-1, keepdim=True)
-        if logit_scale is not None:
-            root = logit_scale.double().sqrt()[:, None, None]
-            q, k = q * root, k * root
-    if variant in ("nprf", "prf"):
-        if variant == "prf":  # Performer: q, k scaled by d^(-1/4) so that phi(q).phi(k) estimates exp(q.k / sqrt(d))
-            q, k = q * d ** -0.25, k * d ** -0.25
-        w = projection.double()
-        w = w.expand(heads, *w.shape) if w.dim() == 2 else w
-        phi_q = torch.exp(torch.einsum("bhnd,hmd->bhnm", q, w) - 0.5 * q.square().sum(-1, keepdim=True))
-        phi_k = torch.exp(torch.einsum("bhnd,hmd->bhnm", k, w) - 0.5 * k.square().sum(-1, keepdim=True))
-        kernel = phi_q @ phi_k.transpose(-1, -2) / w.shape[1]
-    elif variant == "elu_linear":
-        kernel = (torch.nn.functional.elu(q) + 1) @ (torch.nn.functional.elu(k) + 1).transpose(-1, -2)
-    elif variant == "normalized_softmax":
-        kernel = torch.exp(q @ k.transpose(-1, -2))
-    else:
-        kernel = torch.exp(q @ k.transpose(-1, -2) / math.sqrt(d))
-    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
-    weights = kernel * torch.exp(bias[:, j - i + n - 1])
-    if segment_ids is not None:
-        crossing = (segment_ids[:, :, None] != segment_ids[:, None, :]).double()[:, None]
-        weights = weights * torch.exp(segment_bias.double()[:, None, None] * crossing)
-    if token_ids is not None:
-        matches = crossing * (token_ids[:, :, None] == token_ids[:, None, :]).double()[:, None]
-        weights = weights + kernel * match_weight.double()[:, None, None] * matches
-    if causal:
-        weights = weights * (j <= i)
-    if mask is not None:
-        weights = weights * mask.double()[:, None, None, :]
-    total = weights.sum(-1, keepdim=True)
-    out = weights @ v / total
-    return torch.where(total > 0, out, torch.zeros_like(out))
+    """The package's float64 reference (`nprf_hf.nprf_naive`, checked against softmax in test_nprf_naive.py)."""
+    return naive_attention(query, key, value, bias, projection, mask, causal, logit_scale=logit_scale,
+                           segment_ids=segment_ids, segment_bias=segment_bias, token_ids=token_ids,
+                           match_weight=match_weight, variant=variant)
 
 
 def random_case(batch=3, heads=2, n=37, d=8, m=6, seed=0):
@@ -70,7 +36,7 @@ def random_case(batch=3, heads=2, n=37, d=8, m=6, seed=0):
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    monkeypatch.setattr(Fn, "BANDED_MIN_CHUNK", 4)
+    monkeypatch.setattr(nprf_banded, "BANDED_MIN_CHUNK", 4)
 
 
 def test_variants_are_declared_once():

@@ -1,0 +1,247 @@
+# coding=utf-8
+"""The banded algorithm: C = far constants + a band of width W, in O(n (W + m e)). Exact for a bias that is
+constant beyond the band (T5's buckets are: `nprf_positions.rpe_band_width`).
+
+Execution modes side by side: eager autograd through two autograd.Functions that work a group of chunks at a
+time in cache (`_BandWindowProduct`, `_FarStates`), and torch.compile through whole-tensor ops that inductor
+can trace (`_band_window_product`, `_far_states`).
+"""
+
+import torch
+import torch.nn.functional as F
+
+from .nprf_dense import dense_toeplitz_attention
+from .nprf_features import values_and_ones
+from .nprf_positions import diagonals
+
+
+# Smallest chunk of the banded algorithm: below this the chunked matmuls are too small to be fast.
+BANDED_MIN_CHUNK = 16
+# Chunks of reach R: a query chunk's window is 2R + 1 chunks (R s >= W - 1).
+BANDED_REACH = 1
+# Slots per product in the banded forward: [32, s, 3s] weights stay in cache.
+BANDED_GROUP = 32
+
+
+def banded_toeplitz_attention(phi_q, phi_k, value, c, band_width, causal):
+    """C = c_far^- [j < i] + c_far^+ [j > i] + a band of width W, all matmuls.
+
+    The sequence is cut into chunks of size s with R s >= W - 1 (R chunks of reach). Queries of
+    chunk k see the keys of chunks k-R .. k+R (a window of (2R+1)s keys) with their exact
+    coefficients c_{j-i} (one [s, (2R+1)s] Toeplitz block shared by all chunks); every key of chunks
+    <= k-R-1 is at distance >= Rs + 1 >= W and weighs c_far^-, every key of chunks >= k+R+1 weighs
+    c_far^+: those enter through prefix / suffix sums of the chunk states phi_k^T u. Causal drops
+    the chunks after k and the suffix sums.
+    """
+    batch, heads, n, m = phi_q.shape
+    e = value.shape[-1] + 1
+    reach, chunk = banded_chunking(band_width)
+    num_chunks = -(-n // chunk)
+    if num_chunks <= 2 * reach + 1:  # the window covers the whole sequence: this is the dense product
+        return dense_toeplitz_attention(phi_q, phi_k, values_and_ones(value), c)
+    padded = num_chunks * chunk
+    window = (2 * reach + 1 if not causal else reach + 1) * chunk
+    # Keys get R zero chunks in front (and behind, unless causal): chunk k's window then starts at
+    # row k s of its head's keys, so unfolding the rows with step s yields exactly one window per chunk.
+    pads = (0, 0, reach * chunk, padded - n + (0 if causal else reach * chunk))
+    k_rows = F.pad(phi_k, pads).view(batch * heads, -1, m)
+    u_rows = values_and_ones(value, pads[2], pads[3]).view(batch * heads, -1, e)
+    q_chunks = (F.pad(phi_q, (0, 0, 0, padded - n)) if padded > n else phi_q).reshape(-1, chunk, m)
+
+    # Near part. Query a and window key w are at distance r = w - R s - a; one [H, s, window]
+    # coefficient block serves every chunk (clamped entries only ever meet zero keys).
+    # The autograd.Functions loop over groups of chunks and write into strided `out=` views, which dynamo
+    # cannot trace (and would unroll per chunk); compiled, the same products are traced as whole-tensor ops,
+    # and the block is built without a gather (`diagonals`): c extended by its edge values is c clamped.
+    compiling = torch.compiler.is_compiling()
+    if compiling:
+        edge = (reach + 1) * chunk
+        extended = torch.cat([c[:, :1].expand(-1, edge), c, c[:, -1:].expand(-1, edge)], dim=-1)
+        start = n - (reach + 1) * chunk + edge
+        coefficients = diagonals(extended[:, start : start + chunk + window - 1], chunk, window)
+        out = _band_window_product(q_chunks, k_rows, u_rows, coefficients)
+    else:
+        offsets = torch.arange(window, device=c.device)[None, :] - reach * chunk - torch.arange(chunk, device=c.device)[:, None]
+        coefficients = c[:, (offsets + n - 1).clamp(0, 2 * n - 2)]
+        out = _BandWindowProduct.apply(q_chunks, k_rows, u_rows, coefficients)
+
+    # Far part: chunk k gets c_far^- times the states of chunks <= k-R-1 (and c_far^+ times those >= k+R+1).
+    states = torch.bmm(k_rows.view(-1, chunk, m).transpose(-1, -2), u_rows.view(-1, chunk, e))
+    states = states.view(batch, heads, -1, m * e)  # [B, H, R + chunks (+ R), m e], the padding chunks hold zeros
+    far_states = _far_states if compiling else _FarStates.apply
+    far = far_states(states, c[:, 0], None if causal else c[:, -1], num_chunks, reach)
+    out = out.baddbmm_(q_chunks, far.view(-1, m, e))
+    return out.view(batch, heads, padded, e)[:, :, :n]
+
+
+def _band_window_product(q, k_rows, u_rows, coefficients):
+    """`_BandWindowProduct` in whole-tensor ops (for torch.compile; autograd derives the backward): all
+    chunks' [s, window] weights at once instead of a group at a time."""
+    heads, chunk, window = coefficients.shape
+    sequences = k_rows.shape[0]
+    k_windows = _chunk_windows(k_rows, chunk, window // chunk)  # [B*H, chunks, window, m]
+    u_windows = _chunk_windows(u_rows, chunk, window // chunk)  # [B*H, chunks, window, e]
+    weights = q.view(sequences, -1, chunk, q.shape[-1]) @ k_windows.transpose(-1, -2)  # [B*H, chunks, s, window]
+    weights = weights.view(-1, heads, *weights.shape[1:]) * coefficients[:, None]  # sequence b*H + h has head h
+    return (weights.view(sequences, *weights.shape[2:]) @ u_windows).view(q.shape[0], chunk, u_rows.shape[-1])
+
+
+def _chunk_windows(rows, chunk, width):
+    """[B*H, chunks, width * s, f]: chunk k's window, rows k s .. (k + width) s of rows [B*H, (chunks + width - 1) s,
+    f], as whole chunks side by side. Not `unfold`: inductor (torch 2.13, CPU, more than one thread) computes the
+    backward of overlapping windows wrong."""
+    sequences, length, features = rows.shape
+    chunks = rows.view(sequences, length // chunk, chunk, features)
+    count = length // chunk - width + 1
+    return torch.cat([chunks[:, offset : offset + count] for offset in range(width)], dim=2)
+
+
+def _far_states(states, c_before, c_after, num_chunks, reach):
+    """`_FarStates` in whole-tensor ops (for torch.compile): prefix and suffix sums through cumsum."""
+    heads = states.shape[1]
+    # before[k] = sum_{j <= k-1} states[j]
+    before = F.pad(states[:, :, : num_chunks - 1].cumsum(2), (0, 0, 1, 0))
+    far = before * c_before.view(1, heads, 1, 1)
+    if c_after is not None:
+        # after[k] = sum_{j >= k+2R+1} states[j]; nothing for the last chunk
+        tail = states[:, :, 2 * reach + 1 :].flip(2).cumsum(2).flip(2)
+        far = far + F.pad(tail, (0, 0, 0, 1)) * c_after.view(1, heads, 1, 1)
+    return far
+
+
+class _BandWindowProduct(torch.autograd.Function):
+    """out[k] = ((q[k] @ K_k) * coefficients) @ U_k for every chunk k, K_k / U_k its window of keys.
+
+    q: [B*H*chunks, s, m]; k_rows: [B*H, rows, m], u_rows: [B*H, rows, e] with chunk k's window at
+    rows k*s .. k*s + window of its head; coefficients: [H, s, window]. The [chunks, s, window]
+    weights are the largest tensors of the banded algorithm: forward scales them in place, a group of
+    chunks at a time so that they stay in cache, and backward recomputes them instead of keeping them.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k_rows, u_rows, coefficients):
+        heads, chunk, window = coefficients.shape
+        sequences = k_rows.shape[0]
+        num_chunks = q.shape[0] // sequences
+        k_windows = k_rows.unfold(1, window, chunk)  # [B*H, chunks, m, window], a view
+        u_windows = u_rows.unfold(1, window, chunk).transpose(-1, -2)  # [B*H, chunks, window, e]
+        out = q.new_empty(q.shape[0], chunk, u_rows.shape[-1])
+        buffer = q.new_empty(min(BANDED_GROUP, num_chunks), chunk, window)  # reused: no allocation per group
+        for sequence, first, last, rows in _chunk_groups(sequences, num_chunks):
+            weights = torch.bmm(q[rows], k_windows[sequence, first:last], out=buffer[: last - first])
+            torch.bmm(weights.mul_(coefficients[sequence % heads]), u_windows[sequence, first:last], out=out[rows])
+        ctx.save_for_backward(q, k_rows, u_rows, coefficients)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k_rows, u_rows, coefficients = ctx.saved_tensors
+        heads, chunk, window = coefficients.shape
+        sequences = k_rows.shape[0]
+        num_chunks = q.shape[0] // sequences
+        k_windows = k_rows.unfold(1, window, chunk)  # [B*H, chunks, m, window]
+        u_windows = u_rows.unfold(1, window, chunk)  # [B*H, chunks, e, window]
+        grad_out = grad_out.contiguous()
+        grad_q = torch.empty_like(q)
+        grad_k = torch.zeros_like(k_rows)
+        grad_u = torch.zeros_like(u_rows)
+        grad_coefficients = torch.zeros_like(coefficients) if ctx.needs_input_grad[3] else None
+        group = min(BANDED_GROUP, num_chunks)  # per-group buffers, reused: no allocation per group
+        buffers = [q.new_empty(group, chunk, window) for _ in range(3)]
+        grad_u_windows = q.new_empty(group, window, u_rows.shape[-1])
+        grad_k_windows = q.new_empty(group, window, q.shape[-1])
+        for sequence, first, last, rows in _chunk_groups(sequences, num_chunks):
+            coefficient, count = coefficients[sequence % heads], last - first
+            q_group, grad_group = q[rows], grad_out[rows]
+            k_group, u_group = k_windows[sequence, first:last], u_windows[sequence, first:last]
+            scores = torch.bmm(q_group, k_group, out=buffers[0][:count])
+            grad_weights = torch.bmm(grad_group, u_group, out=buffers[1][:count])
+            if grad_coefficients is not None:
+                grad_coefficients[sequence % heads] += torch.mul(scores, grad_weights, out=buffers[2][:count]).sum(0)
+            weights = scores.mul_(coefficient)
+            torch.bmm(weights.transpose(-1, -2), grad_group, out=grad_u_windows[:count])
+            _fold_windows(grad_u_windows[:count], grad_u[sequence], first, chunk)
+            grad_scores = grad_weights.mul_(coefficient)
+            torch.bmm(grad_scores, k_group.transpose(-1, -2), out=grad_q[rows])
+            torch.bmm(grad_scores.transpose(-1, -2), q_group, out=grad_k_windows[:count])
+            _fold_windows(grad_k_windows[:count], grad_k[sequence], first, chunk)
+        return grad_q, grad_k, grad_u, grad_coefficients
+
+
+def _chunk_groups(sequences, num_chunks):
+    """(sequence, first, last, rows): groups of BANDED_GROUP chunks, rows their slice of [B*H*chunks, ...]."""
+    for sequence in range(sequences):
+        for first in range(0, num_chunks, BANDED_GROUP):
+            last = min(first + BANDED_GROUP, num_chunks)
+            yield sequence, first, last, slice(sequence * num_chunks + first, sequence * num_chunks + last)
+
+
+def _fold_windows(window_grads, rows, first, chunk):
+    """Add the gradients of overlapping windows onto their rows: window_grads [G, window, f] belongs to
+    windows first .. first + G, window k covering rows k*s .. k*s + window of `rows` [rows, f]."""
+    count, window, features = window_grads.shape
+    for block in range(window // chunk):  # window_grads[k, block] belongs to rows (first + k + block) * s ...
+        start = (first + block) * chunk
+        rows[start : start + count * chunk].view(count, chunk, features).add_(window_grads[:, block * chunk : (block + 1) * chunk])
+
+
+class _FarStates(torch.autograd.Function):
+    """far[k] = c_before * sum_{j <= k-1} states[j] + c_after * sum_{j >= k+2R+1} states[j] for k < chunks.
+
+    states: [B, H, S, f] chunk states in the padded layout (R zero chunks in front, so j <= k-1 are
+    the chunks at least R+1 before chunk k); c_before, c_after: [H] (c_after None when causal).
+    Returns [B, H, chunks, f]. Running sums updated in place, one chunk at a time: a single pass over
+    the states each way (torch.cumsum plus flips and pads cost many more on CPU).
+    """
+
+    @staticmethod
+    def forward(ctx, states, c_before, c_after, num_chunks, reach):
+        batch, heads, slots, features = states.shape
+        far = states.new_empty(batch, heads, num_chunks, features)
+        far[:, :, 0].zero_()
+        scale = c_before.view(1, heads, 1)
+        for k in range(1, num_chunks):
+            torch.addcmul(far[:, :, k - 1], states[:, :, k - 1], scale, out=far[:, :, k])
+        if c_after is not None:
+            scale = c_after.view(1, heads, 1)
+            running = states.new_zeros(batch, heads, features)
+            for k in range(num_chunks - 2, -1, -1):
+                running.addcmul_(states[:, :, k + 2 * reach + 1], scale)
+                far[:, :, k].add_(running)
+        ctx.save_for_backward(states, c_before, c_after)
+        ctx.num_chunks, ctx.reach = num_chunks, reach
+        return far
+
+    @staticmethod
+    def backward(ctx, grad_far):
+        states, c_before, c_after = ctx.saved_tensors
+        num_chunks, gap = ctx.num_chunks, 2 * ctx.reach + 1
+        batch, heads, slots, features = states.shape
+        # before[j] = sum_{k > j} grad_far[k]; after[j] = sum_{k <= j - gap} grad_far[k].
+        before = torch.zeros_like(states)
+        for j in range(num_chunks - 2, -1, -1):
+            torch.add(before[:, :, j + 1], grad_far[:, :, j + 1], out=before[:, :, j])
+        grad_before = (before * states).sum((0, 2, 3)) if ctx.needs_input_grad[1] else None
+        grad_states = before.mul_(c_before.view(1, heads, 1, 1))
+        grad_after = None
+        if c_after is not None:
+            after = torch.zeros_like(states)
+            for j in range(gap, gap + num_chunks - 1):
+                torch.add(after[:, :, j - 1], grad_far[:, :, j - gap], out=after[:, :, j])
+            if ctx.needs_input_grad[2]:
+                grad_after = (after * states).sum((0, 2, 3))
+            grad_states.add_(after.mul_(c_after.view(1, heads, 1, 1)))
+        return grad_states, grad_before, grad_after, None, None
+
+
+def banded_chunking(band_width):
+    """(reach R, chunk size s) with R s >= W - 1: smaller chunks waste less of the window."""
+    reach = BANDED_REACH
+    chunk = max(-(-(band_width - 1) // reach), BANDED_MIN_CHUNK)
+    return reach, chunk
+
+
+def banded_window(band_width, m, e):
+    """Per-token cost proxy of the banded algorithm, in keys of a dense row."""
+    reach, chunk = banded_chunking(band_width)
+    return (2 * reach + 1) * chunk + 2 * m * e / (m + e)

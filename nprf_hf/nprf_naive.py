@@ -1,0 +1,71 @@
+# coding=utf-8
+"""The float64 reference of NPRF attention and its variants: the formulas of the paper written out with explicit
+n x n matrices, sharing no code with the algorithms it checks (`functional`). Slow and exact; for tests.
+
+    z_i = sum_j w_ij v_j / sum_j w_ij,
+    w_ij = kappa(q_i, k_j) (exp(b_{j-i} + beta [s_i != s_j]) + mu [t_i = t_j, s_i != s_j])
+
+for the keys j that are kept (padding) and allowed (j <= i when causal); rows with no such key are zero.
+kappa per variant: phi(q_hat) . phi(k_hat) ("nprf", q_hat = sqrt(s) q / |q|), phi(q d^-1/4) . phi(k d^-1/4)
+("prf"), (elu(q) + 1) . (elu(k) + 1) ("elu_linear"), exp(s q_hat . k_hat / ...) ("normalized_softmax": the kernel
+NPRF estimates), exp(q . k / sqrt(d)) ("softmax"); phi(x) = exp(W x - |x|^2 / 2) / sqrt(m).
+"""
+
+import math
+
+import torch
+
+
+def naive_attention_weights(query, key, rpe_bias, projection=None, key_padding_mask=None, causal=False,
+                            logit_scale=None, segment_ids=None, segment_bias=None, token_ids=None, match_weight=None,
+                            variant="nprf"):
+    """[B, H, n, n] float64 row-normalized weights; arguments as `functional.nprf_attention`."""
+    q, k, bias = (t.double() for t in (query, key, rpe_bias))
+    batch, heads, n, d = q.shape
+    if variant in ("nprf", "normalized_softmax"):
+        q, k = q / q.norm(dim=-1, keepdim=True), k / k.norm(dim=-1, keepdim=True)
+        if logit_scale is not None:
+            root = logit_scale.double().sqrt()[:, None, None]
+            q, k = q * root, k * root
+    if variant in ("nprf", "prf"):
+        if variant == "prf":
+            q, k = q * d ** -0.25, k * d ** -0.25
+        w = projection.double()
+        w = w.expand(heads, *w.shape) if w.dim() == 2 else w
+        m = w.shape[1]
+        phi_q = torch.exp(torch.einsum("bhnd,hmd->bhnm", q, w) - 0.5 * q.square().sum(-1, keepdim=True)) / math.sqrt(m)
+        phi_k = torch.exp(torch.einsum("bhnd,hmd->bhnm", k, w) - 0.5 * k.square().sum(-1, keepdim=True)) / math.sqrt(m)
+        kernel = phi_q @ phi_k.transpose(-1, -2)
+    elif variant == "elu_linear":
+        kernel = (torch.nn.functional.elu(q) + 1) @ (torch.nn.functional.elu(k) + 1).transpose(-1, -2)
+    elif variant == "normalized_softmax":
+        kernel = torch.exp(q @ k.transpose(-1, -2))
+    elif variant == "softmax":
+        kernel = torch.exp(q @ k.transpose(-1, -2) / math.sqrt(d))
+    else:
+        raise ValueError(f"unknown variant {variant!r}")
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    exponent = bias[:, j - i + n - 1].expand(batch, heads, n, n)
+    if segment_ids is not None:
+        crossing = (segment_ids[:, :, None] != segment_ids[:, None, :])[:, None]
+        exponent = exponent + segment_bias.double()[:, None, None] * crossing
+    position = torch.exp(exponent)
+    if token_ids is not None:
+        matches = crossing & (token_ids[:, :, None] == token_ids[:, None, :])[:, None]
+        position = position + match_weight.double()[:, None, None] * matches
+    weights = kernel * position
+    allowed = torch.ones(n, n, dtype=torch.bool)
+    if causal:
+        allowed = j <= i
+    allowed = allowed.expand(batch, 1, n, n)
+    if key_padding_mask is not None:
+        allowed = allowed & key_padding_mask.bool()[:, None, None, :]
+    weights = torch.where(allowed, weights, 0.0)
+    total = weights.sum(-1, keepdim=True)
+    return torch.where(total > 0, weights / torch.where(total > 0, total, 1.0), 0.0)
+
+
+def naive_attention(query, key, value, rpe_bias, projection=None, key_padding_mask=None, causal=False, **terms):
+    """[B, H, n, d_v] float64: `naive_attention_weights` (same keywords) times the values."""
+    weights = naive_attention_weights(query, key, rpe_bias, projection, key_padding_mask, causal, **terms)
+    return weights @ value.double()

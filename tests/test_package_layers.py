@@ -1,0 +1,87 @@
+"""The package's import graph: every module sits in one layer (declarations <- math <- model <- tools), imports
+run only down the layers or within one, never in a circle, and never to the package face (`__init__`) or the
+scripts; the math files stay small enough to read (one file per algorithm)."""
+
+import ast
+import os
+
+import pytest
+
+
+PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "nprf_hf")
+# A new module must be given a layer here: where it sits is a design decision, not an accident.
+LAYERS = {
+    "declarations": ("options", "families", "checkpoint_files"),  # torch-free: the CLI reads them without torch
+    "math": ("nprf_positions", "nprf_features", "nprf_dense", "nprf_fft", "nprf_banded", "nprf_terms", "nprf_naive",
+             "functional"),
+    "model": ("configuration_nprf", "cache_nprf", "modeling_nprf"),
+    "tools": ("glue", "transfer", "long_context", "convert", "modelcard", "cli"),
+}
+ORDER = list(LAYERS)
+LAYER_OF = {module: layer for layer, modules in LAYERS.items() for module in modules}
+MATH_MAX_LINES = 400
+DISPATCHER_MAX_LINES = 350
+
+
+def modules():
+    return sorted(name[:-3] for name in os.listdir(PACKAGE) if name.endswith(".py") and name != "__init__.py")
+
+
+def imports(module):
+    """The package modules `module` imports (relative imports, at any depth of the file: lazy ones count too)."""
+    with open(os.path.join(PACKAGE, module + ".py"), encoding="utf-8") as handle:
+        tree = ast.parse(handle.read())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            if node.module:
+                found.add(node.module.split(".")[0])
+            else:  # from . import x: x must be a module, not a name of the package face
+                found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("nprf_hf"):
+            found.add((node.module.split(".") + ["__init__"])[1])
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("nprf_hf"):
+                    found.add((alias.name.split(".") + ["__init__"])[1])
+    return found
+
+
+def test_every_module_has_a_layer():
+    assert set(modules()) == set(LAYER_OF), "give each new module a layer in LAYERS (and remove deleted ones)"
+
+
+@pytest.mark.parametrize("module", modules())
+def test_imports_run_down_the_layers(module):
+    for target in imports(module):
+        assert target != "__init__", f"{module} imports the package face: import the module that defines the name"
+        assert target in LAYER_OF, f"{module} imports {target}, which is not a package module"
+        assert ORDER.index(LAYER_OF[target]) <= ORDER.index(LAYER_OF[module]), (
+            f"{module} ({LAYER_OF[module]}) imports {target} ({LAYER_OF[target]}): an import back up the layers"
+        )
+
+
+def test_no_import_circle():
+    graph = {module: imports(module) & set(LAYER_OF) for module in modules()}
+    state = {}
+
+    def visit(module, path):
+        if state.get(module) == "open":
+            raise AssertionError("import circle: " + " -> ".join(path[path.index(module):] + [module]))
+        if state.get(module) == "done":
+            return
+        state[module] = "open"
+        for target in sorted(graph[module]):
+            visit(target, path + [module])
+        state[module] = "done"
+
+    for module in graph:
+        visit(module, [])
+
+
+def test_math_files_are_small():
+    for module in LAYERS["math"]:
+        with open(os.path.join(PACKAGE, module + ".py"), encoding="utf-8") as handle:
+            lines = sum(1 for _ in handle)
+        limit = DISPATCHER_MAX_LINES if module == "functional" else MATH_MAX_LINES
+        assert lines <= limit, f"{module}.py has {lines} lines (at most {limit}): split it by algorithm or term"
