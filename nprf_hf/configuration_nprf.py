@@ -72,6 +72,9 @@ def validate_nprf_fields(config):
             f"got {config.rpe_max_distance!r}"
         )
     family = family_of(config.model_type)
+    for field in NPRF_FIELDS:
+        if field.encoder_only and getattr(config, field.name) and getattr(config, "is_decoder", False):
+            raise ValueError(f"{field.name} is for encoders; a decoder (is_decoder=True) cannot use it: leave it off")
     if config.segment_bias and getattr(config, "is_decoder", False):
         raise ValueError("segment_bias=True is for encoders reading sentence pairs; a decoder (is_decoder=True) has no segments")
     if config.segment_bias and family.segments is None:

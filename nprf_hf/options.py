@@ -103,7 +103,7 @@ class NPRFField:
     """One NPRF config field. `check(value)` -> bool and `rule` (the allowed values in words) give the
     error message; `choices` replaces both for enumerations. `convert_option`: `nprf-hf convert` sets it.
     `saved_with_weights`: the trained weights depend on it (a tensor's shape, its values, or what they mean),
-    so it cannot change when a saved model is loaded."""
+    so it cannot change when a saved model is loaded. `encoder_only`: a decoder (is_decoder=True) refuses it on."""
 
     name: str
     type: type
@@ -114,6 +114,7 @@ class NPRFField:
     rule: str = ""
     convert_option: bool = True
     saved_with_weights: bool = True
+    encoder_only: bool = False
 
     def validate(self, value):
         if self.choices is not None:
