@@ -3,7 +3,7 @@
 n x n matrices, sharing no code with the algorithms it checks (`functional`). Slow and exact; for tests.
 
     z_i = sum_j w_ij v_j / sum_j w_ij,
-    w_ij = kappa(q_i, k_j) (exp(b_{j-i} + beta [s_i != s_j]) + mu [t_i = t_j, s_i != s_j])
+    w_ij = kappa(q_i, k_j) (exp(b_{j-i} + beta [s_i != s_j] + gamma [j = 0]) + mu [t_i = t_j, s_i != s_j])
 
 for the keys j that are kept (padding) and allowed (j <= i when causal); rows with no such key are zero.
 kappa per variant: phi(q_hat) . phi(k_hat) ("nprf", q_hat = sqrt(s) q / |q|), phi(q d^-1/4) . phi(k d^-1/4)
@@ -18,7 +18,7 @@ import torch
 
 def naive_attention_weights(query, key, rpe_bias, projection=None, key_padding_mask=None, causal=False,
                             logit_scale=None, segment_ids=None, segment_bias=None, token_ids=None, match_weight=None,
-                            variant="nprf"):
+                            variant="nprf", first_key_bias=None):
     """[B, H, n, n] float64 row-normalized weights; arguments as `functional.nprf_attention`."""
     q, k, bias = (t.double() for t in (query, key, rpe_bias))
     batch, heads, n, d = q.shape
@@ -49,6 +49,8 @@ def naive_attention_weights(query, key, rpe_bias, projection=None, key_padding_m
     if segment_ids is not None:
         crossing = (segment_ids[:, :, None] != segment_ids[:, None, :])[:, None]
         exponent = exponent + segment_bias.double()[:, None, None] * crossing
+    if first_key_bias is not None:  # gamma [j = 0]
+        exponent = exponent + first_key_bias.double()[:, None, None] * (j == 0)
     position = torch.exp(exponent)
     if token_ids is not None:
         matches = crossing & (token_ids[:, :, None] == token_ids[:, None, :])[:, None]

@@ -223,6 +223,48 @@ class TokenMatch(AttentionTerm):
         return kernel * self.matches(kernel.device)
 
 
+class FirstTokenBias(AttentionTerm):
+    """gamma [H] added to the logit of the first key ([CLS] / <s>, position 0): the factor exp(gamma [j = 0]).
+    Softmax encoders park much of their attention on that token (an attention sink, with logits far above the
+    rest); NPRF's normalized logits lie in [-s, s] and cannot single one key out that much, which this bias can.
+    A factor of the key alone: it scales phi_k's first row, so every algorithm applies it at no extra cost."""
+
+    field, parameter, name = "first_token_bias", "first_key_bias", "first_key_bias"
+    causal = False  # a decoder's recurrent state (`NPRFCache`) keeps no per-key factor
+
+    def __init__(self, bias):
+        self.bias = bias
+
+    @classmethod
+    def of_layer(cls, attention, inputs):
+        return None if attention.first_key_bias is None else cls(attention.first_key_bias)
+
+    def check(self, batch, heads, n):
+        if self.bias.shape != (heads,):
+            raise ValueError(f"first_key_bias must be [H={heads}] (one bias per head), got {tuple(self.bias.shape)}")
+
+    def tensors(self):
+        return (self.bias,)
+
+    def key_factors(self, n, dtype, device):
+        """([H, n] exp(gamma [j = 0]) divided by its maximum, that shift [H])."""
+        bias = self.bias.to(device=device, dtype=dtype)
+        top = bias.clamp_min(0.0)
+        first = torch.arange(n, device=device) == 0
+        return torch.exp(torch.where(first, bias[:, None], 0.0) - top[:, None]), torch.exp(-top)
+
+    def factor_product(self, toeplitz_product, dtype):
+        def product(phi_k):
+            factors, _ = self.key_factors(phi_k.shape[-2], dtype, phi_k.device)
+            return toeplitz_product(phi_k * factors[:, :, None])
+
+        return product, self.bias.to(dtype).clamp_min(0.0).neg().exp()
+
+    def factor_weights(self, weights, dtype):
+        factors, shift = self.key_factors(weights.shape[-1], dtype, weights.device)
+        return weights * factors[:, None, :], shift
+
+
 def group_ids(keys):
     """(group of every column of keys [k, N], number of groups): equal columns share a group, numbered in
     the lexicographic order of the columns (as torch.unique's inverse). In eager mode the groups are counted
@@ -241,7 +283,7 @@ def group_ids(keys):
 
 
 # Every term, in the order they apply: feature scales, factors, then summands (which read the factors' shifts).
-ATTENTION_TERMS = (LogitScale, SegmentBias, TokenMatch)
+ATTENTION_TERMS = (LogitScale, SegmentBias, TokenMatch, FirstTokenBias)
 
 
 class AttentionTerms:

@@ -193,6 +193,11 @@ NPRF_FIELDS = (
         "a learned per-head weight for the same token in the other segment (needs segment_bias)",
     ),
     NPRFField(
+        "first_token_bias", bool, False,
+        "a learned per-head bias on the first key ([CLS] / <s>), the softmax source's attention sink (encoders)",
+        encoder_only=True,
+    ),
+    NPRFField(
         "output_attentions_max_length", int, 4096,
         "longest input for which output_attentions / a non-padding mask may build the dense n x n weights",
         check=lambda v: _is_int(v) and v >= 1, rule="a positive integer", convert_option=False,
