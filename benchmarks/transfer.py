@@ -44,6 +44,8 @@ VARIANTS = {
     "m256": ({"num_random_features": 256}, {}),
     "scale8-m256": ({"logit_scale_max": 8.0, "num_random_features": 256}, {}),
     "scale8-vo": ({"logit_scale_max": 8.0}, {"train_value_output": True}),
+    "sink": ({"first_token_bias": True}, {}),
+    "scale8-sink": ({"logit_scale_max": 8.0, "first_token_bias": True}, {}),
 }
 DEFAULT_VARIANTS = ("paper", "scale4", "scale8", "scale8-m256")
 
