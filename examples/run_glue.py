@@ -3,8 +3,8 @@
 """Fine-tune any HF sequence-classification model on GLUE with the `Trainer`.
 
 Shaped like transformers' `examples/pytorch/text-classification/run_glue.py`, updated for
-transformers 5, with the data and metric code in `nprf_hf.glue` (shared with
-`run_glue_no_trainer.py`). Softmax baselines and NPRF models use the same script;
+transformers 5, with the data and metric code in `nprf_hf.glue` and the rest it shares with
+`run_glue_no_trainer.py` in `glue_scripts.py` beside it. Softmax baselines and NPRF models use the same script;
 `--convert_to_nprf` converts a softmax checkpoint on the fly (`--nprf_config` passes convert options,
 e.g. a calibrated RPE init), and `--rpe_learning_rate` gives an NPRF model's RPE table its own rate.
 
@@ -47,6 +47,9 @@ try:
 except ImportError:  # running from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from nprf_hf import glue
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # glue_scripts.py beside this script
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import glue_scripts  # noqa: E402
 from nprf_hf.modelcard import push_nprf_to_hub, write_nprf_card
 from nprf_hf.options import GLUE_TRANSFER_OPTIONS, TRANSFER_DEFAULTS, TRANSFER_OPTIONS
 
@@ -149,7 +152,7 @@ class RPETrainer(Trainer):
         fresh = self.optimizer is None
         optimizer = super().create_optimizer(model)
         if fresh and self.rpe_learning_rate is not None:
-            glue.set_rpe_learning_rate(optimizer, self.model if model is None else model, self.rpe_learning_rate)
+            glue_scripts.set_rpe_learning_rate(optimizer, self.model if model is None else model, self.rpe_learning_rate)
         return optimizer
 
 
@@ -174,7 +177,7 @@ def load_model_and_tokenizer(model_args, num_labels, task_name):
         finetuning_task=task_name,
         **hub_kwargs,
     )
-    glue.record_task(config, task_name)
+    glue_scripts.record_task(config, task_name)
     tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_args.model_name_or_path, **hub_kwargs)
     model = AutoModelForSequenceClassification.from_pretrained(
         model_args.model_name_or_path,
@@ -182,13 +185,13 @@ def load_model_and_tokenizer(model_args, num_labels, task_name):
         ignore_mismatched_sizes=model_args.ignore_mismatched_sizes,
         **hub_kwargs,
     )
-    glue.check_conversion_flags(model_args)
+    glue_scripts.check_conversion_flags(model_args)
     return model, tokenizer
 
 
 def main(argv=None):
     model_args, data_args, training_args = parse_args(argv)
-    glue.check_model_path(model_args.model_name_or_path, model_args.config_name, model_args.tokenizer_name)
+    glue_scripts.check_model_path(model_args.model_name_or_path, model_args.config_name, model_args.tokenizer_name)
 
     logging.basicConfig(
         format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
@@ -198,6 +201,7 @@ def main(argv=None):
     log_level = training_args.get_process_log_level()
     logger.setLevel(log_level)
     glue.logger.setLevel(log_level)
+    glue_scripts.logger.setLevel(log_level)
     transformers.utils.logging.set_verbosity(log_level)
     transformers.utils.logging.enable_default_handler()
     transformers.utils.logging.enable_explicit_format()
@@ -207,7 +211,7 @@ def main(argv=None):
         training_args.world_size,
         training_args.device,
     )
-    glue.quiet_unless_main(training_args.process_index == 0)
+    glue_scripts.quiet_unless_main(training_args.process_index == 0)
     if training_args.device.type == "cpu":
         training_args.dataloader_pin_memory = False  # pinning needs an accelerator; on CPU torch only warns
     logger.info("Training/evaluation parameters %s", training_args)
@@ -250,7 +254,7 @@ def main(argv=None):
 
     if model_args.convert_to_nprf:  # after the cut: the transfer reads the rows the run trains on
         main_process = training_args.process_index == 0
-        model = glue.convert_and_transfer(
+        model = glue_scripts.convert_and_transfer(
             model,
             tokenizer,
             model_args,
@@ -371,4 +375,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    glue.run_script(main, "run_glue.py")
+    glue_scripts.run_script(main, "run_glue.py")

@@ -2,8 +2,8 @@
 # Copyright 2025 The nprf-hf authors. Licensed under the Apache License, Version 2.0.
 """Fine-tune any HF sequence-classification model on GLUE with a plain Accelerate training loop.
 
-Shaped like transformers' `run_glue_no_trainer.py`; the data and metric code is `nprf_hf.glue`,
-shared with `run_glue.py`. Gradient accumulation, `--mixed_precision`, checkpoints
+Shaped like transformers' `run_glue_no_trainer.py`; the data and metric code is `nprf_hf.glue`, and
+what it shares with `run_glue.py` beyond them is `glue_scripts.py` beside it. Gradient accumulation, `--mixed_precision`, checkpoints
 (`--checkpointing_steps N|epoch`, `--resume_from_checkpoint DIR|latest`) and `--push_to_hub`.
 
     accelerate launch examples/run_glue_no_trainer.py --model_name_or_path <bert dir> \
@@ -44,6 +44,9 @@ try:
 except ImportError:  # running from a source checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from nprf_hf import glue
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # glue_scripts.py beside this script
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import glue_scripts  # noqa: E402
 from nprf_hf.modelcard import push_nprf_to_hub, write_nprf_card
 from nprf_hf.options import GLUE_TRANSFER_OPTIONS, TRANSFER_DEFAULTS, TRANSFER_OPTIONS
 
@@ -166,7 +169,7 @@ def evaluate(model, dataloader, accelerator, info):
 
 def main(argv=None):
     args = parse_args(argv)
-    glue.check_model_path(args.model_name_or_path, args.tokenizer_name)
+    glue_scripts.check_model_path(args.model_name_or_path, args.tokenizer_name)
 
     accelerator_kwargs = {"gradient_accumulation_steps": args.gradient_accumulation_steps, "cpu": args.cpu}
     if args.mixed_precision is not None:
@@ -191,7 +194,7 @@ def main(argv=None):
     else:
         datasets.utils.logging.set_verbosity_error()
         transformers.utils.logging.set_verbosity_error()
-    glue.quiet_unless_main(accelerator.is_main_process)
+    glue_scripts.quiet_unless_main(accelerator.is_main_process)
 
     set_seed(args.seed)
 
@@ -224,7 +227,7 @@ def main(argv=None):
         finetuning_task=info.task_name,
         trust_remote_code=args.trust_remote_code,
     )
-    glue.record_task(config, info.task_name)
+    glue_scripts.record_task(config, info.task_name)
     tokenizer = AutoTokenizer.from_pretrained(
         args.tokenizer_name or args.model_name_or_path, trust_remote_code=args.trust_remote_code
     )
@@ -234,7 +237,7 @@ def main(argv=None):
         ignore_mismatched_sizes=args.ignore_mismatched_sizes,
         trust_remote_code=args.trust_remote_code,
     )
-    glue.check_conversion_flags(args)
+    glue_scripts.check_conversion_flags(args)
 
     label_to_id, label2id = glue.resolve_label_ids(info, getattr(model.config, "label2id", None))
     if label2id is not None:
@@ -244,7 +247,7 @@ def main(argv=None):
     max_samples = {"train": args.max_train_samples, **{s: args.max_eval_samples for s in info.eval_splits}}
     raw_datasets = type(raw_datasets)({s: glue.take_first(raw_datasets[s], n) for s, n in max_samples.items()})
     if args.convert_to_nprf:  # after the cut: the transfer reads the rows the run trains on
-        model = glue.convert_and_transfer(
+        model = glue_scripts.convert_and_transfer(
             model,
             tokenizer,
             args,
@@ -292,7 +295,7 @@ def main(argv=None):
     ]
     optimizer = torch.optim.AdamW(grouped_parameters, lr=args.learning_rate)
     if args.rpe_learning_rate is not None:
-        glue.set_rpe_learning_rate(optimizer, model, args.rpe_learning_rate)
+        glue_scripts.set_rpe_learning_rate(optimizer, model, args.rpe_learning_rate)
 
     # Optimizer steps per epoch (the last partial accumulation of an epoch also steps), as the
     # prepared dataloader will count them: each process sees ceil(N / (batch * processes)) batches.
@@ -435,4 +438,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    glue.run_script(main, "run_glue_no_trainer.py")
+    glue_scripts.run_script(main, "run_glue_no_trainer.py")

@@ -7,15 +7,14 @@ Three data sources give the same columns (those of the Hub dataset `nyu-mll/glue
   - local CSV / TSV / JSON files: `load_glue_raw(train_file=..., validation_file=...)`
 
 Metrics are computed offline with scikit-learn / scipy (`compute_glue_metrics`).
-`set_rpe_learning_rate` gives an NPRF model's RPE table its own learning rate (both scripts).
-No model code here; `datasets`, `sklearn` and `scipy` are imported inside the functions that
-need them so that `import nprf_hf` stays light.
+No model code and no script plumbing here (the scripts' shared plumbing is `examples/glue_scripts.py`);
+`datasets`, `sklearn` and `scipy` are imported inside the functions that need them, so that importing this
+module stays light.
 """
 
 import logging
 import math
 import os
-import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
@@ -28,29 +27,8 @@ logger = logging.getLogger(__name__)
 
 class UsageError(ValueError):
     """A mistake in a script's arguments or input files (unknown task, missing folder, bad flag combination):
-    `run_script` reports it in one line and exits 2, like argparse, instead of a traceback."""
-
-
-def run_script(main, prog, argv=None):
-    """Run a GLUE script's `main(argv)`; a `UsageError` prints `prog: error: ...` to stderr and exits 2."""
-    try:
-        return main(argv)
-    except UsageError as error:
-        print(f"{prog}: error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
-
-
-def check_model_path(*values):
-    """UsageError for a model / config / tokenizer argument that looks like a local path and does not exist
-    (otherwise HF says "Repo id must use alphanumeric chars", or retries an unreachable Hub)."""
-    from .checkpoint_files import check_local_path
-
-    for value in values:
-        if value is not None:
-            try:
-                check_local_path(value)
-            except FileNotFoundError as error:
-                raise UsageError(str(error)) from None
+    the GLUE scripts report it in one line and exit 2, like argparse, instead of a traceback
+    (`examples/glue_scripts.py`'s `run_script`)."""
 
 
 GLUE_TASKS = ("cola", "mnli", "mrpc", "qnli", "qqp", "rte", "sst2", "stsb", "wnli")
@@ -586,24 +564,6 @@ def make_compute_metrics(task_name: Optional[str], is_regression: bool):
     return compute_metrics
 
 
-def set_rpe_learning_rate(optimizer, model, learning_rate: float):
-    """Move the relative-position tables of an NPRF `model` (parameters named `*rpe_table`) into a
-    param group of their own in `optimizer`, with `learning_rate` and no weight decay.
-
-    A converted model starts with a zero RPE table; at the learning rate that suits the pretrained
-    weights it hardly moves during fine-tuning. Learning-rate schedulers created afterwards scale
-    this group like the others. Returns the moved parameters.
-    """
-    rpe = [p for n, p in model.named_parameters() if n.endswith("rpe_table") and p.requires_grad]
-    if not rpe:
-        raise UsageError("a separate RPE learning rate needs an NPRF model: this one has no rpe_table parameters")
-    moved = {id(p) for p in rpe}
-    for group in optimizer.param_groups:
-        group["params"] = [p for p in group["params"] if id(p) not in moved]
-    optimizer.add_param_group({"params": rpe, "lr": learning_rate, "weight_decay": 0.0})
-    return rpe
-
-
 def training_texts(columns, sentence1_key: str, sentence2_key: Optional[str]) -> list:
     """The texts of a raw split (a Dataset or a dict of columns) as attention transfer takes them:
     strings, or (first, second) pairs."""
@@ -611,94 +571,3 @@ def training_texts(columns, sentence1_key: str, sentence2_key: Optional[str]) ->
     if sentence2_key is None:
         return first
     return list(zip(first, columns[sentence2_key]))
-
-
-# The conversion options both GLUE scripts declare (as attributes of their parsed arguments).
-CONVERSION_OPTIONS = ("nprf_config", "attention_transfer_steps", "attention_transfer_text")
-
-
-def check_conversion_flags(args):
-    """A ValueError naming the first conversion option of `args` that is set without --convert_to_nprf."""
-    if args.convert_to_nprf:
-        return
-    for name in CONVERSION_OPTIONS:
-        if getattr(args, name):
-            raise UsageError(f"--{name} is only used with --convert_to_nprf")
-
-
-def quiet_unless_main(main_process):
-    """On every process but the main one: no INFO logs from nprf_hf (conversion report, transfer report) and no
-    datasets / transformers progress bars, so a multi-process run (accelerate launch, torchrun) prints each of them once."""
-    if main_process:
-        return
-    logging.getLogger("nprf_hf").setLevel(logging.WARNING)
-    import datasets
-    import transformers
-
-    datasets.disable_progress_bars()
-    transformers.utils.logging.disable_progress_bar()  # "Loading weights" bars
-
-
-def record_task(config, task_name):
-    """Store the task in `config.finetuning_task`: transformers 5 drops `from_pretrained(finetuning_task=...)`,
-    and the saved config is where `nprf-hf card` (and other tools) look for it."""
-    if task_name is not None:
-        config.finetuning_task = task_name
-    return config
-
-
-def convert_and_transfer(
-    model,
-    tokenizer,
-    args,
-    train_texts: Optional[list] = None,
-    max_length: int = 128,
-    seed: int = 0,
-    show_progress: bool = True,
-    main_process: bool = True,
-    output_dir: Optional[str] = None,
-):
-    """What `--convert_to_nprf` does in both GLUE scripts, from their parsed `args` (`nprf_config`,
-    `attention_transfer_*`): convert `model` (with the JSON `nprf_config` of convert_to_nprf arguments),
-    then, if `attention_transfer_steps > 0`, run attention transfer from the softmax model on
-    `attention_transfer_text` (a text file or GLUE task folder) or else on `train_texts` (the task's own
-    training texts, as Hedgehog does); the main process logs its report and saves it as
-    `attention_transfer.json` in `output_dir` (if given). Returns the NPRF model."""
-    import json
-
-    import nprf_hf
-
-    from .options import GLUE_TRANSFER_OPTIONS
-
-    overrides = json.loads(args.nprf_config) if args.nprf_config else {}
-    if not isinstance(overrides, dict):
-        raise UsageError(f"--nprf_config must be a JSON object, got {args.nprf_config!r}")
-    student = nprf_hf.convert_to_nprf(model, tokenizer=tokenizer, **overrides)
-    logger.info("Converted to %s", type(student).__name__)
-    if args.attention_transfer_steps <= 0:
-        if args.attention_transfer_text is not None:
-            raise UsageError("--attention_transfer_text needs --attention_transfer_steps N (N > 0)")
-        return student
-    text = args.attention_transfer_text
-    texts = nprf_hf.read_transfer_texts(text) if text is not None else train_texts
-    if not texts:
-        raise UsageError("attention transfer needs texts: give --attention_transfer_text or a training split")
-    report = nprf_hf.attention_transfer(
-        student,
-        model,
-        tokenizer,
-        texts,
-        steps=args.attention_transfer_steps,
-        **{name: getattr(args, "attention_transfer_" + name) for name in GLUE_TRANSFER_OPTIONS},
-        max_length=max_length,
-        seed=seed,
-        show_progress=show_progress,
-    )
-    if main_process:
-        logger.warning(report.format())
-    if main_process and output_dir is not None:
-        from .checkpoint_files import write_transfer_report
-
-        os.makedirs(output_dir, exist_ok=True)
-        write_transfer_report(report.to_dict(), output_dir)
-    return student

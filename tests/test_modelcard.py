@@ -15,16 +15,10 @@ from nprf_hf import NPRFBertConfig, NPRFBertForSequenceClassification, NPRFRober
 from nprf_hf import cli
 from nprf_hf.cli import build_parser
 
+from conftest import tiny_config
 
-TINY = dict(
-    vocab_size=99,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    intermediate_size=37,
-    max_position_embeddings=64,
-    num_random_features=16,
-)
+
+TINY = tiny_config(num_random_features=16)
 GLUE_RESULTS = {
     "epoch": 3.0,
     "eval_accuracy": 0.8125,
@@ -185,7 +179,7 @@ def test_eval_results_default_and_opt_out(glue_dir):
 
 def test_bad_inputs_give_clear_errors(tmp_path):
     bert_dir = tmp_path / "bert"
-    BertConfig(**{k: v for k, v in TINY.items() if k != "num_random_features"}).save_pretrained(bert_dir)
+    BertConfig(**tiny_config()).save_pretrained(bert_dir)
     with pytest.raises(ValueError, match="model_type='bert', not an NPRF model.*nprf-hf convert"):
         modelcard.write_model_card(str(bert_dir))
     with pytest.raises(ValueError, match="no config.json"):
@@ -314,7 +308,7 @@ def test_push_nprf_to_hub_from_a_saved_directory(fake_hub, tmp_path):
 
 
 def test_push_nprf_to_hub_refuses_other_models(fake_hub, tmp_path):
-    BertConfig(**{k: v for k, v in TINY.items() if k != "num_random_features"}).save_pretrained(tmp_path)
+    BertConfig(**tiny_config()).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="not an NPRF model"):
         modelcard.push_nprf_to_hub(str(tmp_path), "user/x")
     assert fake_hub == []

