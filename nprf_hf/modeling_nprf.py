@@ -686,12 +686,47 @@ class NPRFModelMixin:
     The layer stack (`encoder` / `transformer`) gains the shared `rpe_table` [H, rpe_num_buckets]
     (None when `rpe_shared_across_layers=False`) and `redraw_step`, a non-persistent counter of
     training forward passes (used when `feature_redraw_interval > 0`). Forward: as the family's model.
+    Each family's class (`NPRFBertModel`, ... at the end of this file) spells its forward's parameters and hands
+    them to `_nprf_forward`.
     """
 
     family = None  # set per class
 
     def __init__(self, config, *args, **kwargs):
-        super().__init__(config, *args, **kwargs)
+        super().__init__(config, *args, **kwargs)  # the family's transformers model, as transformers builds it
+        self._nprf_layers()
+
+    @classmethod
+    def adopt(cls, model):
+        """Make `model`, an instance of the family's transformers model (`BertModel`) as a transformers head's
+        `__init__` builds it, an instance of `cls` in place, and return it: the same object, submodules and
+        tensors (so the head's state_dict keys and weight tying stay), every layer's self-attention made NPRF
+        as `__init__` does. The NPRF heads' `__init__` call it: transformers' own head `__init__` builds the base
+        model with its own arguments (`add_pooling_layer=False`, ...), then it becomes NPRF; nothing of
+        transformers is rebound or patched. Making it NPRF draws no global random numbers, so a seeded head gets
+        the weights it got when its base model was built as `cls` directly."""
+        family_model = cls.__bases__[-1]  # transformers' model of the family: the last base of every NPRF base model
+        if type(model) is not family_model:
+            raise TypeError(f"{cls.__name__}.adopt takes a {family_model.__name__}, not a {type(model).__name__}")
+        model.__class__ = cls
+        # settings that post_init copied from the transformers class onto the instance (`_no_split_modules`,
+        # the parallel plans, ...): dropped, so that post_init (in `_nprf_layers`) takes them from `cls`
+        for name in [name for name in vars(model) if hasattr(cls, name)]:
+            delattr(model, name)
+        try:  # which modules' outputs `output_attentions` / `output_hidden_states` capture: transformers records it
+            # per class in PreTrainedModel.__init__ (which ran for the transformers class): record cls's
+            from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+        except ImportError:  # transformers versions that read `_can_record_outputs` from the model itself
+            pass
+        else:
+            _CAN_RECORD_REGISTRY[model] = cls._can_record_outputs
+        model._nprf_layers()
+        return model
+
+    def _nprf_layers(self):
+        """NPRF self-attention in every layer (adopting the family's projections), the NPRF embeddings, the
+        shared RPE table and the redraw counter; then post_init (which initializes what is new)."""
+        config = self.config
         validate_nprf_fields(config)
         layout = ATTENTION_LAYOUTS[self.family.layout]
         self.embeddings = EMBEDDINGS_CLASSES[self.family.layout](config, self.family, self.embeddings)
@@ -750,18 +785,12 @@ class NPRFModelMixin:
             for attention in self.nprf_attentions():
                 attention.redraw_projection(step // interval)
 
-    def forward(self, *args, **kwargs):
-        # positional arguments named as in the family's forward; not with inspect.Signature.bind, whose
-        # mappingproxy torch.compile cannot read once a dict was changed in the same graph (the head's
-        # `can_return_tuple` pops return_dict, which generate()'s compiled decode step passes)
-        names = self._forward_positional_names
-        if len(args) > len(names):
-            raise TypeError(f"forward() takes at most {len(names)} positional arguments, got {len(args)}")
-        arguments = dict(zip(names, args))
-        for name in arguments:
-            if name in kwargs:
-                raise TypeError(f"forward() got multiple values for argument {name!r}")
-        arguments = {**kwargs, **arguments}
+    def _nprf_forward(self, **arguments):
+        """The forward of every NPRF base model, given every argument by name (each family's `forward` spells the
+        parameters of its transformers model's): the attention mask normalized once, projections redrawn,
+        the decoder's NPRFCache, the shared RPE bias, the ids the optional terms read; then the family's forward.
+        Arguments left at None are not handed on (every parameter of those forwards defaults to None: the same call)."""
+        arguments = {name: value for name, value in arguments.items() if value is not None}
         input_ids, inputs_embeds = arguments.get("input_ids"), arguments.get("inputs_embeds")
         reference = input_ids if input_ids is not None else inputs_embeds
         attention_mask, past = arguments.get("attention_mask"), arguments.get("past_key_values")
@@ -809,80 +838,569 @@ class NPRFModelMixin:
         return super().forward(**arguments)
 
 
-def _with_base_model(function, base_name, base_class):
-    """`function` (a transformers head's `__init__`) with the name of its family's base model bound to
-    `base_class`: transformers' own head code then builds the NPRF base model. The function's module
-    globals are copied, not changed."""
-    scope = dict(function.__globals__)
-    scope[base_name] = base_class
-    rebound = types.FunctionType(function.__code__, scope, function.__name__, function.__defaults__, function.__closure__)
-    rebound.__kwdefaults__ = function.__kwdefaults__
-    rebound.__doc__ = function.__doc__
-    return rebound
+# ---------------------------------------------------------------------------------------------
+# The model classes, one per family and head of `families.FAMILIES`:
+#     NPRF<Family>PreTrainedModel(NPRFPreTrainedMixin, <Family>PreTrainedModel)
+#     NPRF<Family>Model(NPRFModelMixin, NPRF<Family>PreTrainedModel, <Family>Model)       forward: <Family>Model's parameters
+#     NPRF<Family><Head>(NPRF<Family>PreTrainedModel, <Family><Head>)   transformers' head __init__, base model adopted
+# written by utils/generate_model_classes.py from that table and transformers' signatures (tests check it is current).
+# Remote code: save_pretrained copies this file, configuration_nprf.py, families.py and functional.py next to
+# the weights; the configs carry the full auto_map (configuration_nprf.nprf_auto_map).
+# ---------------------------------------------------------------------------------------------
+
+# <generated by utils/generate_model_classes.py: do not edit by hand>
 
 
-def _positional_names(function):
-    """The names of the parameters of a method that may be passed by position, after `self`."""
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return tuple(name for name, p in inspect.signature(function).parameters.items() if p.kind in kinds)[1:]
+# BERT
+class NPRFBertPreTrainedModel(NPRFPreTrainedMixin, transformers.BertPreTrainedModel):
+    """[`BertPreTrainedModel`] of the NPRF models: config, masks, weight initialization."""
+
+    config_class = NPRF_CONFIG_CLASSES["bert"]
+    _no_split_modules = [*(transformers.BertPreTrainedModel._no_split_modules or []), "NPRFEmbeddings"]
+    _can_record_outputs = {
+        **(transformers.BertPreTrainedModel._can_record_outputs or {}),
+        "attentions": NPRFSelfAttention,
+    }
 
 
-def _nprf_classes(family):
-    """{head name: NPRF class} of one family, plus its pre-trained base class under None."""
-    config_class = NPRF_CONFIG_CLASSES[family.model_type]
-    hf_pretrained = getattr(transformers, family.prefix + "PreTrainedModel")
-    hf_model = getattr(transformers, family.class_name("model", nprf=False))
-    namespace = {"__module__": __name__}
+class NPRFBertModel(NPRFModelMixin, NPRFBertPreTrainedModel, transformers.BertModel):
+    """BertModel with NPRF self-attention. Forward: as [`BertModel`]."""
 
-    def make(name, bases, body):
-        return type(name, bases, {**namespace, "__qualname__": name, **body})
+    family = FAMILIES["bert"]
 
-    pretrained = make(
-        family.nprf_prefix + "PreTrainedModel",
-        (NPRFPreTrainedMixin, hf_pretrained),
-        {
-            "config_class": config_class,
-            "_no_split_modules": [*(hf_pretrained._no_split_modules or []), "NPRFEmbeddings"],
-            "_can_record_outputs": {**(hf_pretrained._can_record_outputs or {}), "attentions": NPRFSelfAttention},
-        },
-    )
-    model = make(
-        family.class_name("model"),
-        (NPRFModelMixin, pretrained, hf_model),
-        {
-            "__doc__": f"{hf_model.__name__} with NPRF self-attention. Forward: as [`{hf_model.__name__}`].",
-            "family": family,
-            "_forward_signature": inspect.signature(hf_model.forward),
-            "_forward_positional_names": _positional_names(hf_model.forward),
-        },
-    )
-    classes = {None: pretrained, "model": model}
-    for head in family.heads:
-        if head == "model":
-            continue
-        hf_head = getattr(transformers, family.class_name(head, nprf=False))
-        # decoders generate through an NPRFCache (constant cost per token, `cache_nprf`)
-        bases = (NPRFGenerationMixin, pretrained, hf_head, GenerationMixin) if head == "causal-lm" else (pretrained, hf_head)
-        classes[head] = make(
-            family.class_name(head),
-            bases,
-            {
-                "__doc__": f"{hf_head.__name__} on [`{model.__name__}`]. Forward: as [`{hf_head.__name__}`].",
-                "__init__": _with_base_model(hf_head.__init__, hf_model.__name__, model),
-            },
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        token_type_ids=None,
+        position_ids=None,
+        inputs_embeds=None,
+        encoder_hidden_states=None,
+        encoder_attention_mask=None,
+        past_key_values=None,
+        use_cache=None,
+        **kwargs,
+    ):
+        """As [`BertModel.forward`]: the same parameters and outputs, with NPRF self-attention."""
+        return self._nprf_forward(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            encoder_hidden_states=encoder_hidden_states,
+            encoder_attention_mask=encoder_attention_mask,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            **kwargs,
         )
-    return classes
 
 
-# ---------------------------------------------------------------------------------------------
-# Remote code: save_pretrained copies this file, configuration_nprf.py, families.py and
-# functional.py next to the weights; the configs carry the full auto_map (configuration_nprf.nprf_auto_map).
-# ---------------------------------------------------------------------------------------------
+class NPRFBertForMaskedLM(NPRFBertPreTrainedModel, transformers.BertForMaskedLM):
+    """BertForMaskedLM on [`NPRFBertModel`]. Forward: as [`BertForMaskedLM`]."""
 
-NPRF_MODEL_CLASSES = {model_type: _nprf_classes(family) for model_type, family in FAMILIES.items()}
+    def __init__(self, config):
+        super().__init__(config)  # transformers' __init__: the head, its BertModel (self.bert)
+        NPRFBertModel.adopt(self.bert)  # made NPRF in place
+        self.post_init()  # again: gathers the NPRF base model's settings
+
+
+class NPRFBertForSequenceClassification(NPRFBertPreTrainedModel, transformers.BertForSequenceClassification):
+    """BertForSequenceClassification on [`NPRFBertModel`]. Forward: as [`BertForSequenceClassification`]."""
+
+    def __init__(self, config):
+        super().__init__(config)  # transformers' __init__: the head, its BertModel (self.bert)
+        NPRFBertModel.adopt(self.bert)  # made NPRF in place
+        self.post_init()  # again: gathers the NPRF base model's settings
+
+
+class NPRFBertForTokenClassification(NPRFBertPreTrainedModel, transformers.BertForTokenClassification):
+    """BertForTokenClassification on [`NPRFBertModel`]. Forward: as [`BertForTokenClassification`]."""
+
+    def __init__(self, config):
+        super().__init__(config)  # transformers' __init__: the head, its BertModel (self.bert)
+        NPRFBertModel.adopt(self.bert)  # made NPRF in place
+        self.post_init()  # again: gathers the NPRF base model's settings
+
+
+class NPRFBertForQuestionAnswering(NPRFBertPreTrainedModel, transformers.BertForQuestionAnswering):
+    """BertForQuestionAnswering on [`NPRFBertModel`]. Forward: as [`BertForQuestionAnswering`]."""
+
+    def __init__(self, config):
+        super().__init__(config)  # transformers' __init__: the head, its BertModel (self.bert)
+        NPRFBertModel.adopt(self.bert)  # made NPRF in place
+        self.post_init()  # again: gathers the NPRF base model's settings
+
+
+class NPRFBertForMultipleChoice(NPRFBertPreTrainedModel, transformers.BertForMultipleChoice):
+    """BertForMultipleChoice on [`NPRFBertModel`]. Forward: as [`BertForMultipleChoice`]."""
+
+    def __init__(self, config):
+        super().__init__(config)  # transformers' __init__: the head, its BertModel (self.bert)
+        NPRFBertModel.adopt(self.bert)  # made NPRF in place
+        self.post_init()  # again: gathers the NPRF base model's settings
+
+
+# RoBERTa
+class NPRFRobertaPreTrainedModel(NPRFPreTrainedMixin, transformers.RobertaPreTrainedModel):
+    """[`RobertaPreTrainedModel`] of the NPRF models: config, masks, weight initialization."""
+
+    config_class = NPRF_CONFIG_CLASSES["roberta"]
+    _no_split_modules = [*(transformers.RobertaPreTrainedModel._no_split_modules or []), "NPRFEmbeddings"]
+    _can_record_outputs = {
+        **(transformers.RobertaPreTrainedModel._can_record_outputs or {}),
+        "attentions": NPRFSelfAttention,
+    }
+
+
+class NPRFRobertaModel(NPRFModelMixin, NPRFRobertaPreTrainedModel, transformers.RobertaModel):
+    """RobertaModel with NPRF self-attention. Forward: as [`RobertaModel`]."""
+
+    family = FAMILIES["roberta"]
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        token_type_ids=None,
+        position_ids=None,
+        inputs_embeds=None,
+        encoder_hidden_states=None,
+        encoder_attention_mask=None,
+        past_key_values=None,
+        use_cache=None,
+        **kwargs,
+    ):
+        """As [`RobertaModel.forward`]: the same parameters and outputs, with NPRF self-attention."""
+        return self._nprf_forward(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            encoder_hidden_states=encoder_hidden_states,
+            encoder_attention_mask=encoder_attention_mask,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            **kwargs,
+        )
+
+
+class NPRFRobertaForMaskedLM(NPRFRobertaPreTrainedModel, transformers.RobertaForMaskedLM):
+    """RobertaForMaskedLM on [`NPRFRobertaModel`]. Forward: as [`RobertaForMaskedLM`]."""
+
+    def __init__(self, config):
+        super().__init__(config)  # transformers' __init__: the head, its RobertaModel (self.roberta)
+        NPRFRobertaModel.adopt(self.roberta)  # made NPRF in place
+        self.post_init()  # again: gathers the NPRF base model's settings
+
+
+class NPRFRobertaForSequenceClassification(NPRFRobertaPreTrainedModel, transformers.RobertaForSequenceClassification):
+    """RobertaForSequenceClassification on [`NPRFRobertaModel`]. Forward: as [`RobertaForSequenceClassification`]."""
+
+    def __init__(self, config):
+        super().__init__(config)  # transformers' __init__: the head, its RobertaModel (self.roberta)
+        NPRFRobertaModel.adopt(self.roberta)  # made NPRF in place
+        self.post_init()  # again: gathers the NPRF base model's settings
+
+
+class NPRFRobertaForTokenClassification(NPRFRobertaPreTrainedModel, transformers.RobertaForTokenClassification):
+    """RobertaForTokenClassification on [`NPRFRobertaModel`]. Forward: as [`RobertaForTokenClassification`]."""
+
+    def __init__(self, config):
+        super().__init__(config)  # transformers' __init__: the head, its RobertaModel (self.roberta)
+        NPRFRobertaModel.adopt(self.roberta)  # made NPRF in place
+        self.post_init()  # again: gathers the NPRF base model's settings
+
+
+class NPRFRobertaForQuestionAnswering(NPRFRobertaPreTrainedModel, transformers.RobertaForQuestionAnswering):
+    """RobertaForQuestionAnswering on [`NPRFRobertaModel`]. Forward: as [`RobertaForQuestionAnswering`]."""
+
+    def __init__(self, config):
+        super().__init__(config)  # transformers' __init__: the head, its RobertaModel (self.roberta)
+        NPRFRobertaModel.adopt(self.roberta)  # made NPRF in place
+        self.post_init()  # again: gathers the NPRF base model's settings
+
+
+class NPRFRobertaForMultipleChoice(NPRFRobertaPreTrainedModel, transformers.RobertaForMultipleChoice):
+    """RobertaForMultipleChoice on [`NPRFRobertaModel`]. Forward: as [`RobertaForMultipleChoice`]."""
+
+    def __init__(self, config):
+        super().__init__(config)  # transformers' __init__: the head, its RobertaModel (self.roberta)
+        NPRFRobertaModel.adopt(self.roberta)  # made NPRF in place
+        self.post_init()  # again: gathers the NPRF base model's settings
+
+
+class NPRFRobertaForCausalLM(
+    NPRFGenerationMixin, NPRFRobertaPreTrainedModel, transformers.RobertaForCausalLM, GenerationMixin
+):
+    """RobertaForCausalLM on [`NPRFRobertaModel`]. Forward: as [`RobertaForCausalLM`]."""
+
+    def __init__(self, config):
+        super().__init__(config)  # transformers' __init__: the head, its RobertaModel (self.roberta)
+        NPRFRobertaModel.adopt(self.roberta)  # made NPRF in place
+        self.post_init()  # again: gathers the NPRF base model's settings
+
+
+# XLM-RoBERTa
+class NPRFXLMRobertaPreTrainedModel(NPRFPreTrainedMixin, transformers.XLMRobertaPreTrainedModel):
+    """[`XLMRobertaPreTrainedModel`] of the NPRF models: config, masks, weight initialization."""
+
+    config_class = NPRF_CONFIG_CLASSES["xlm-roberta"]
+    _no_split_modules = [*(transformers.XLMRobertaPreTrainedModel._no_split_modules or []), "NPRFEmbeddings"]
+    _can_record_outputs = {
+        **(transformers.XLMRobertaPreTrainedModel._can_record_outputs or {}),
+        "attentions": NPRFSelfAttention,
+    }
+
+
+class NPRFXLMRobertaModel(NPRFModelMixin, NPRFXLMRobertaPreTrainedModel, transformers.XLMRobertaModel):
+    """XLMRobertaModel with NPRF self-attention. Forward: as [`XLMRobertaModel`]."""
+
+    family = FAMILIES["xlm-roberta"]
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        token_type_ids=None,
+        position_ids=None,
+        inputs_embeds=None,
+        encoder_hidden_states=None,
+        encoder_attention_mask=None,
+        past_key_values=None,
+        use_cache=None,
+        **kwargs,
+    ):
+        """As [`XLMRobertaModel.forward`]: the same parameters and outputs, with NPRF self-attention."""
+        return self._nprf_forward(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            encoder_hidden_states=encoder_hidden_states,
+            encoder_attention_mask=encoder_attention_mask,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            **kwargs,
+        )
+
+
+class NPRFXLMRobertaForMaskedLM(NPRFXLMRobertaPreTrainedModel, transformers.XLMRobertaForMaskedLM):
+    """XLMRobertaForMaskedLM on [`NPRFXLMRobertaModel`]. Forward: as [`XLMRobertaForMaskedLM`]."""
+
+    def __init__(self, config):
+        super().__init__(config)  # transformers' __init__: the head, its XLMRobertaModel (self.roberta)
+        NPRFXLMRobertaModel.adopt(self.roberta)  # made NPRF in place
+        self.post_init()  # again: gathers the NPRF base model's settings
+
+
+class NPRFXLMRobertaForSequenceClassification(
+    NPRFXLMRobertaPreTrainedModel, transformers.XLMRobertaForSequenceClassification
+):
+    """XLMRobertaForSequenceClassification on [`NPRFXLMRobertaModel`].
+    Forward: as [`XLMRobertaForSequenceClassification`].
+    """
+
+    def __init__(self, config):
+        super().__init__(config)  # transformers' __init__: the head, its XLMRobertaModel (self.roberta)
+        NPRFXLMRobertaModel.adopt(self.roberta)  # made NPRF in place
+        self.post_init()  # again: gathers the NPRF base model's settings
+
+
+class NPRFXLMRobertaForTokenClassification(
+    NPRFXLMRobertaPreTrainedModel, transformers.XLMRobertaForTokenClassification
+):
+    """XLMRobertaForTokenClassification on [`NPRFXLMRobertaModel`]. Forward: as [`XLMRobertaForTokenClassification`]."""
+
+    def __init__(self, config):
+        super().__init__(config)  # transformers' __init__: the head, its XLMRobertaModel (self.roberta)
+        NPRFXLMRobertaModel.adopt(self.roberta)  # made NPRF in place
+        self.post_init()  # again: gathers the NPRF base model's settings
+
+
+class NPRFXLMRobertaForQuestionAnswering(NPRFXLMRobertaPreTrainedModel, transformers.XLMRobertaForQuestionAnswering):
+    """XLMRobertaForQuestionAnswering on [`NPRFXLMRobertaModel`]. Forward: as [`XLMRobertaForQuestionAnswering`]."""
+
+    def __init__(self, config):
+        super().__init__(config)  # transformers' __init__: the head, its XLMRobertaModel (self.roberta)
+        NPRFXLMRobertaModel.adopt(self.roberta)  # made NPRF in place
+        self.post_init()  # again: gathers the NPRF base model's settings
+
+
+class NPRFXLMRobertaForMultipleChoice(NPRFXLMRobertaPreTrainedModel, transformers.XLMRobertaForMultipleChoice):
+    """XLMRobertaForMultipleChoice on [`NPRFXLMRobertaModel`]. Forward: as [`XLMRobertaForMultipleChoice`]."""
+
+    def __init__(self, config):
+        super().__init__(config)  # transformers' __init__: the head, its XLMRobertaModel (self.roberta)
+        NPRFXLMRobertaModel.adopt(self.roberta)  # made NPRF in place
+        self.post_init()  # again: gathers the NPRF base model's settings
+
+
+class NPRFXLMRobertaForCausalLM(
+    NPRFGenerationMixin, NPRFXLMRobertaPreTrainedModel, transformers.XLMRobertaForCausalLM, GenerationMixin
+):
+    """XLMRobertaForCausalLM on [`NPRFXLMRobertaModel`]. Forward: as [`XLMRobertaForCausalLM`]."""
+
+    def __init__(self, config):
+        super().__init__(config)  # transformers' __init__: the head, its XLMRobertaModel (self.roberta)
+        NPRFXLMRobertaModel.adopt(self.roberta)  # made NPRF in place
+        self.post_init()  # again: gathers the NPRF base model's settings
+
+
+# ELECTRA
+class NPRFElectraPreTrainedModel(NPRFPreTrainedMixin, transformers.ElectraPreTrainedModel):
+    """[`ElectraPreTrainedModel`] of the NPRF models: config, masks, weight initialization."""
+
+    config_class = NPRF_CONFIG_CLASSES["electra"]
+    _no_split_modules = [*(transformers.ElectraPreTrainedModel._no_split_modules or []), "NPRFEmbeddings"]
+    _can_record_outputs = {
+        **(transformers.ElectraPreTrainedModel._can_record_outputs or {}),
+        "attentions": NPRFSelfAttention,
+    }
+
+
+class NPRFElectraModel(NPRFModelMixin, NPRFElectraPreTrainedModel, transformers.ElectraModel):
+    """ElectraModel with NPRF self-attention. Forward: as [`ElectraModel`]."""
+
+    family = FAMILIES["electra"]
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        token_type_ids=None,
+        position_ids=None,
+        inputs_embeds=None,
+        encoder_hidden_states=None,
+        encoder_attention_mask=None,
+        past_key_values=None,
+        use_cache=None,
+        **kwargs,
+    ):
+        """As [`ElectraModel.forward`]: the same parameters and outputs, with NPRF self-attention."""
+        return self._nprf_forward(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            encoder_hidden_states=encoder_hidden_states,
+            encoder_attention_mask=encoder_attention_mask,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            **kwargs,
+        )
+
+
+class NPRFElectraForMaskedLM(NPRFElectraPreTrainedModel, transformers.ElectraForMaskedLM):
+    """ElectraForMaskedLM on [`NPRFElectraModel`]. Forward: as [`ElectraForMaskedLM`]."""
+
+    def __init__(self, config):
+        super().__init__(config)  # transformers' __init__: the head, its ElectraModel (self.electra)
+        NPRFElectraModel.adopt(self.electra)  # made NPRF in place
+        self.post_init()  # again: gathers the NPRF base model's settings
+
+
+class NPRFElectraForSequenceClassification(NPRFElectraPreTrainedModel, transformers.ElectraForSequenceClassification):
+    """ElectraForSequenceClassification on [`NPRFElectraModel`]. Forward: as [`ElectraForSequenceClassification`]."""
+
+    def __init__(self, config):
+        super().__init__(config)  # transformers' __init__: the head, its ElectraModel (self.electra)
+        NPRFElectraModel.adopt(self.electra)  # made NPRF in place
+        self.post_init()  # again: gathers the NPRF base model's settings
+
+
+class NPRFElectraForTokenClassification(NPRFElectraPreTrainedModel, transformers.ElectraForTokenClassification):
+    """ElectraForTokenClassification on [`NPRFElectraModel`]. Forward: as [`ElectraForTokenClassification`]."""
+
+    def __init__(self, config):
+        super().__init__(config)  # transformers' __init__: the head, its ElectraModel (self.electra)
+        NPRFElectraModel.adopt(self.electra)  # made NPRF in place
+        self.post_init()  # again: gathers the NPRF base model's settings
+
+
+class NPRFElectraForQuestionAnswering(NPRFElectraPreTrainedModel, transformers.ElectraForQuestionAnswering):
+    """ElectraForQuestionAnswering on [`NPRFElectraModel`]. Forward: as [`ElectraForQuestionAnswering`]."""
+
+    def __init__(self, config):
+        super().__init__(config)  # transformers' __init__: the head, its ElectraModel (self.electra)
+        NPRFElectraModel.adopt(self.electra)  # made NPRF in place
+        self.post_init()  # again: gathers the NPRF base model's settings
+
+
+class NPRFElectraForMultipleChoice(NPRFElectraPreTrainedModel, transformers.ElectraForMultipleChoice):
+    """ElectraForMultipleChoice on [`NPRFElectraModel`]. Forward: as [`ElectraForMultipleChoice`]."""
+
+    def __init__(self, config):
+        super().__init__(config)  # transformers' __init__: the head, its ElectraModel (self.electra)
+        NPRFElectraModel.adopt(self.electra)  # made NPRF in place
+        self.post_init()  # again: gathers the NPRF base model's settings
+
+
+class NPRFElectraForCausalLM(
+    NPRFGenerationMixin, NPRFElectraPreTrainedModel, transformers.ElectraForCausalLM, GenerationMixin
+):
+    """ElectraForCausalLM on [`NPRFElectraModel`]. Forward: as [`ElectraForCausalLM`]."""
+
+    def __init__(self, config):
+        super().__init__(config)  # transformers' __init__: the head, its ElectraModel (self.electra)
+        NPRFElectraModel.adopt(self.electra)  # made NPRF in place
+        self.post_init()  # again: gathers the NPRF base model's settings
+
+
+class NPRFElectraForPreTraining(NPRFElectraPreTrainedModel, transformers.ElectraForPreTraining):
+    """ElectraForPreTraining on [`NPRFElectraModel`]. Forward: as [`ElectraForPreTraining`]."""
+
+    def __init__(self, config):
+        super().__init__(config)  # transformers' __init__: the head, its ElectraModel (self.electra)
+        NPRFElectraModel.adopt(self.electra)  # made NPRF in place
+        self.post_init()  # again: gathers the NPRF base model's settings
+
+
+# DistilBERT
+class NPRFDistilBertPreTrainedModel(NPRFPreTrainedMixin, transformers.DistilBertPreTrainedModel):
+    """[`DistilBertPreTrainedModel`] of the NPRF models: config, masks, weight initialization."""
+
+    config_class = NPRF_CONFIG_CLASSES["distilbert"]
+    _no_split_modules = [*(transformers.DistilBertPreTrainedModel._no_split_modules or []), "NPRFEmbeddings"]
+    _can_record_outputs = {
+        **(transformers.DistilBertPreTrainedModel._can_record_outputs or {}),
+        "attentions": NPRFSelfAttention,
+    }
+
+
+class NPRFDistilBertModel(NPRFModelMixin, NPRFDistilBertPreTrainedModel, transformers.DistilBertModel):
+    """DistilBertModel with NPRF self-attention. Forward: as [`DistilBertModel`]."""
+
+    family = FAMILIES["distilbert"]
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        inputs_embeds=None,
+        position_ids=None,
+        **kwargs,
+    ):
+        """As [`DistilBertModel.forward`]: the same parameters and outputs, with NPRF self-attention."""
+        return self._nprf_forward(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds,
+            position_ids=position_ids,
+            **kwargs,
+        )
+
+
+class NPRFDistilBertForMaskedLM(NPRFDistilBertPreTrainedModel, transformers.DistilBertForMaskedLM):
+    """DistilBertForMaskedLM on [`NPRFDistilBertModel`]. Forward: as [`DistilBertForMaskedLM`]."""
+
+    def __init__(self, config):
+        super().__init__(config)  # transformers' __init__: the head, its DistilBertModel (self.distilbert)
+        NPRFDistilBertModel.adopt(self.distilbert)  # made NPRF in place
+        self.post_init()  # again: gathers the NPRF base model's settings
+
+
+class NPRFDistilBertForSequenceClassification(
+    NPRFDistilBertPreTrainedModel, transformers.DistilBertForSequenceClassification
+):
+    """DistilBertForSequenceClassification on [`NPRFDistilBertModel`].
+    Forward: as [`DistilBertForSequenceClassification`].
+    """
+
+    def __init__(self, config):
+        super().__init__(config)  # transformers' __init__: the head, its DistilBertModel (self.distilbert)
+        NPRFDistilBertModel.adopt(self.distilbert)  # made NPRF in place
+        self.post_init()  # again: gathers the NPRF base model's settings
+
+
+class NPRFDistilBertForTokenClassification(
+    NPRFDistilBertPreTrainedModel, transformers.DistilBertForTokenClassification
+):
+    """DistilBertForTokenClassification on [`NPRFDistilBertModel`]. Forward: as [`DistilBertForTokenClassification`]."""
+
+    def __init__(self, config):
+        super().__init__(config)  # transformers' __init__: the head, its DistilBertModel (self.distilbert)
+        NPRFDistilBertModel.adopt(self.distilbert)  # made NPRF in place
+        self.post_init()  # again: gathers the NPRF base model's settings
+
+
+class NPRFDistilBertForQuestionAnswering(NPRFDistilBertPreTrainedModel, transformers.DistilBertForQuestionAnswering):
+    """DistilBertForQuestionAnswering on [`NPRFDistilBertModel`]. Forward: as [`DistilBertForQuestionAnswering`]."""
+
+    def __init__(self, config):
+        super().__init__(config)  # transformers' __init__: the head, its DistilBertModel (self.distilbert)
+        NPRFDistilBertModel.adopt(self.distilbert)  # made NPRF in place
+        self.post_init()  # again: gathers the NPRF base model's settings
+
+
+class NPRFDistilBertForMultipleChoice(NPRFDistilBertPreTrainedModel, transformers.DistilBertForMultipleChoice):
+    """DistilBertForMultipleChoice on [`NPRFDistilBertModel`]. Forward: as [`DistilBertForMultipleChoice`]."""
+
+    def __init__(self, config):
+        super().__init__(config)  # transformers' __init__: the head, its DistilBertModel (self.distilbert)
+        NPRFDistilBertModel.adopt(self.distilbert)  # made NPRF in place
+        self.post_init()  # again: gathers the NPRF base model's settings
+
+
+# {model_type: {head: class}}, and the family's pre-trained base class under None
+NPRF_MODEL_CLASSES = {
+    "bert": {
+        None: NPRFBertPreTrainedModel,
+        "model": NPRFBertModel,
+        "masked-lm": NPRFBertForMaskedLM,
+        "sequence-classification": NPRFBertForSequenceClassification,
+        "token-classification": NPRFBertForTokenClassification,
+        "question-answering": NPRFBertForQuestionAnswering,
+        "multiple-choice": NPRFBertForMultipleChoice,
+    },
+    "roberta": {
+        None: NPRFRobertaPreTrainedModel,
+        "model": NPRFRobertaModel,
+        "masked-lm": NPRFRobertaForMaskedLM,
+        "sequence-classification": NPRFRobertaForSequenceClassification,
+        "token-classification": NPRFRobertaForTokenClassification,
+        "question-answering": NPRFRobertaForQuestionAnswering,
+        "multiple-choice": NPRFRobertaForMultipleChoice,
+        "causal-lm": NPRFRobertaForCausalLM,
+    },
+    "xlm-roberta": {
+        None: NPRFXLMRobertaPreTrainedModel,
+        "model": NPRFXLMRobertaModel,
+        "masked-lm": NPRFXLMRobertaForMaskedLM,
+        "sequence-classification": NPRFXLMRobertaForSequenceClassification,
+        "token-classification": NPRFXLMRobertaForTokenClassification,
+        "question-answering": NPRFXLMRobertaForQuestionAnswering,
+        "multiple-choice": NPRFXLMRobertaForMultipleChoice,
+        "causal-lm": NPRFXLMRobertaForCausalLM,
+    },
+    "electra": {
+        None: NPRFElectraPreTrainedModel,
+        "model": NPRFElectraModel,
+        "masked-lm": NPRFElectraForMaskedLM,
+        "sequence-classification": NPRFElectraForSequenceClassification,
+        "token-classification": NPRFElectraForTokenClassification,
+        "question-answering": NPRFElectraForQuestionAnswering,
+        "multiple-choice": NPRFElectraForMultipleChoice,
+        "causal-lm": NPRFElectraForCausalLM,
+        "pretraining": NPRFElectraForPreTraining,
+    },
+    "distilbert": {
+        None: NPRFDistilBertPreTrainedModel,
+        "model": NPRFDistilBertModel,
+        "masked-lm": NPRFDistilBertForMaskedLM,
+        "sequence-classification": NPRFDistilBertForSequenceClassification,
+        "token-classification": NPRFDistilBertForTokenClassification,
+        "question-answering": NPRFDistilBertForQuestionAnswering,
+        "multiple-choice": NPRFDistilBertForMultipleChoice,
+    },
+}
+# </generated by utils/generate_model_classes.py>
+
 for _family_classes in NPRF_MODEL_CLASSES.values():
     for _head, _model_class in _family_classes.items():
-        globals()[_model_class.__name__] = _model_class
         if _head is not None:
             _model_class.register_for_auto_class(HEADS[_head].auto_class)
 for _config_class in NPRF_CONFIG_CLASSES.values():
