@@ -259,7 +259,6 @@ def load_models(args):
 
 def check_lengths(models, tokenizer, lengths):
     from nprf_hf.families import position_offset
-    from nprf_hf.long_context import content_length
 
     for name, model in models.items():
         config = model.config

@@ -15,7 +15,6 @@
 import json
 import logging
 import os
-import re
 import shutil
 import string
 import tempfile

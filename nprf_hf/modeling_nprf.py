@@ -38,9 +38,6 @@ Design notes:
   family's embeddings (same submodules and names) so that inputs of any length work.
 """
 
-import inspect
-import types
-
 import torch
 import transformers
 from torch import nn

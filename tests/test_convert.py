@@ -21,9 +21,7 @@ from transformers import (
     GPT2Config,
     RobertaConfig,
     RobertaForCausalLM,
-    RobertaForMaskedLM,
     RobertaForSequenceClassification,
-    RobertaTokenizerFast,
     T5Config,
 )
 

@@ -61,6 +61,23 @@ def test_imports_run_down_the_layers(module):
         )
 
 
+def test_no_import_of_the_scripts():
+    """The package never imports from examples/ or benchmarks/ (scripts sit above it, and are not shipped)."""
+    root = os.path.dirname(PACKAGE)
+    scripts = {"examples", "benchmarks", "utils"} | {
+        name[:-3] for folder in ("examples", "benchmarks") for name in os.listdir(os.path.join(root, folder))
+        if name.endswith(".py")
+    }
+    for module in modules() + ["__init__"]:
+        with open(os.path.join(PACKAGE, module + ".py"), encoding="utf-8") as handle:
+            tree = ast.parse(handle.read())
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
+            for name in names:
+                assert name.split(".")[0] not in scripts, f"{module} imports {name}, a script outside the package"
+
+
 def test_no_import_circle():
     graph = {module: imports(module) & set(LAYER_OF) for module in modules()}
     state = {}
