@@ -52,7 +52,8 @@ Why each default:
 - `first_token_bias`: a learned per-head bias gamma (per layer, starting at 0) added to the logit of the first
   key ([CLS] / <s>). Softmax encoders park much of their attention there (an attention sink); NPRF's normalized
   logits cannot single one key out that much. A factor of that key alone, so free in every algorithm. Off by
-  default, like the other terms; encoders only (a decoder's recurrent state keeps no per-key factor).
+  default: it did not raise the attention transfer's fidelity (docs/RESULTS.md). Encoders only (a decoder's
+  recurrent state keeps no per-key factor).
 - `output_attentions_max_length`: `output_attentions=True` materializes the implied n x n
   attention matrix per head; beyond this length it raises instead of exhausting memory.
 """
