@@ -17,7 +17,9 @@ source argument before any loading.
 This module imports no torch, so the CLI checks its arguments before loading anything.
 """
 
+import ast
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -37,6 +39,26 @@ ATTENTION_TRANSFER_REPORT = "attention_transfer.json"  # written by convert and 
 
 # a Hub id: "name" or "org/name" (letters, digits, "-", "_", "."; not starting with "." or "-")
 HUB_ID = re.compile(r"[A-Za-z0-9_][\w.-]*(/[A-Za-z0-9_][\w.-]*)?")
+
+
+@functools.lru_cache(maxsize=None)
+def remote_code_files():
+    """The package files that `save_pretrained` copies beside a model (its remote code), sorted: the files of the
+    configs' `auto_map` (configuration_nprf.py, modeling_nprf.py) and every sibling they import with a single-dot
+    import, transitively, as transformers follows them. Read from the code, so a new math file counts at once."""
+    folder = os.path.dirname(os.path.abspath(__file__))
+    found, pending = set(), ["configuration_nprf", "modeling_nprf"]
+    while pending:
+        module = pending.pop()
+        if module in found:
+            continue
+        found.add(module)
+        with open(os.path.join(folder, module + ".py"), encoding="utf-8") as handle:
+            tree = ast.parse(handle.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                pending.extend([node.module.split(".")[0]] if node.module else [a.name for a in node.names])
+    return tuple(sorted(module + ".py" for module in found))
 
 
 def looks_like_path(value) -> bool:

@@ -65,7 +65,7 @@ $results
 
 ## Usage
 
-The modeling code ships with the weights (`configuration_nprf.py`, `modeling_nprf.py`, `functional.py`):
+The modeling code ships with the weights (`modeling_nprf.py`, `configuration_nprf.py` and the files they import):
 load it with `trust_remote_code=True` (or, with the nprf-hf package installed, `import nprf_hf`, which registers
 the classes with the Auto classes).
 

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from conftest import minilm_path, tiny_config
 from safetensors import safe_open
 from transformers import (
     AutoModel,
@@ -27,6 +28,7 @@ from transformers import (
 
 import nprf_hf
 from nprf_hf import NPRFBertModel, NPRFRobertaForMaskedLM
+from nprf_hf.checkpoint_files import remote_code_files
 from nprf_hf.cli import main as cli_main
 from nprf_hf.convert import (
     bucket_attention_bias,
@@ -35,9 +37,6 @@ from nprf_hf.convert import (
     extend_position_embeddings,
 )
 from nprf_hf.functional import t5_relative_position_bucket
-
-from conftest import minilm_path, tiny_config
-
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WIKITEXT = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "wikitext-2", "valid.txt")
@@ -99,7 +98,7 @@ def test_minilm_converted_runs_and_reloads_via_auto(minilm_converted):
     config = json.load(open(os.path.join(out, "config.json")))
     assert config["model_type"] == "nprf_bert" and config["architectures"] == ["NPRFBertModel"]
     assert config["num_random_features"] == 32 and "AutoModel" in config["auto_map"]
-    for code in ("modeling_nprf.py", "configuration_nprf.py", "functional.py"):
+    for code in remote_code_files():
         assert os.path.isfile(os.path.join(out, code)), code
     tokenizer = AutoTokenizer.from_pretrained(out)
     batch = tokenizer(["The tower is 324 metres tall.", "A short one."], padding=True, return_tensors="pt")

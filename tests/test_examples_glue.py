@@ -13,13 +13,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import minilm_path, tiny_config
 from safetensors.torch import load_file
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, BertConfig, BertModel
+from transformers import (
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    BertConfig,
+    BertModel,
+)
 
 from nprf_hf import glue
-
-from conftest import minilm_path, tiny_config
-
+from nprf_hf.checkpoint_files import remote_code_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "..", "shared", "data", "glue")
@@ -331,8 +335,7 @@ def test_run_glue_push_to_hub_nprf_uploads_code_and_card(tiny_model, tmp_path):
     assert len(commits) == 1
     repo_id, files, card = commits[0]
     assert repo_id == "someone/nprf-model"
-    assert {"model.safetensors", "config.json", "configuration_nprf.py", "modeling_nprf.py", "functional.py",
-            "tokenizer.json", "README.md"} <= set(files)
+    assert {"model.safetensors", "config.json", "tokenizer.json", "README.md", *remote_code_files()} <= set(files)
     assert "trust_remote_code=True" in card and "model-index" in card and "accuracy" in card
 
 

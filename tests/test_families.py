@@ -12,10 +12,10 @@ import torch
 import transformers
 
 import nprf_hf
+from nprf_hf.checkpoint_files import remote_code_files
 from nprf_hf.configuration_nprf import NPRF_CONFIG_CLASSES, NPRF_FIELDS
 from nprf_hf.families import ATTENTION_LAYOUTS, FAMILIES, HEADS
 from nprf_hf.modeling_nprf import NPRF_MODEL_CLASSES, NPRFSelfAttention
-
 
 NEW_FAMILIES = ("xlm-roberta", "electra", "distilbert")
 TINY = dict(vocab_size=99, max_position_embeddings=64, num_labels=3, pad_token_id=1)
@@ -167,7 +167,7 @@ def test_new_families_round_trip_as_remote_code_in_a_fresh_process(tmp_path):
             model = NPRF_MODEL_CLASSES[model_type][head](tiny_nprf_config(family)).eval()
             folder = tmp_path / family.class_name(head)
             model.save_pretrained(folder)
-            assert {"configuration_nprf.py", "modeling_nprf.py", "functional.py", "families.py"} <= set(os.listdir(folder))
+            assert set(remote_code_files()) <= set(os.listdir(folder))
             input_ids, attention_mask = head_inputs(head)
             with torch.no_grad():
                 reference = first_output(type(model).from_pretrained(folder).eval()(input_ids=input_ids, attention_mask=attention_mask))

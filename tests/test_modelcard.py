@@ -8,15 +8,19 @@ from unittest import mock
 
 import pytest
 import yaml
+from conftest import tiny_config
 from huggingface_hub import CommitInfo, HfApi, ModelCard, RepoUrl
 from transformers import BertConfig, BertTokenizerFast
 
-from nprf_hf import NPRFBertConfig, NPRFBertForSequenceClassification, NPRFRobertaConfig, modelcard
-from nprf_hf import cli
+from nprf_hf import (
+    NPRFBertConfig,
+    NPRFBertForSequenceClassification,
+    NPRFRobertaConfig,
+    cli,
+    modelcard,
+)
+from nprf_hf.checkpoint_files import remote_code_files
 from nprf_hf.cli import build_parser
-
-from conftest import tiny_config
-
 
 TINY = tiny_config(num_random_features=16)
 GLUE_RESULTS = {
@@ -28,7 +32,7 @@ GLUE_RESULTS = {
     "eval_samples": 408,
     "eval_samples_per_second": 160.0,
 }
-CODE_FILES = {"configuration_nprf.py", "modeling_nprf.py", "functional.py"}
+CODE_FILES = set(remote_code_files())
 
 
 def save_config(path, architecture, family="bert", **overrides):

@@ -9,6 +9,7 @@ import textwrap
 
 import pytest
 import torch
+from conftest import tiny_config
 
 from nprf_hf import (
     NPRFBertConfig,
@@ -27,9 +28,7 @@ from nprf_hf import (
     NPRFRobertaForTokenClassification,
     NPRFRobertaModel,
 )
-
-from conftest import tiny_config
-
+from nprf_hf.checkpoint_files import remote_code_files
 
 TINY = tiny_config(num_random_features=16)
 
@@ -51,7 +50,7 @@ CASES = [
 ]
 BERT_HEADS = {name for cls, name in CASES if cls.__name__.startswith("NPRFBert")}
 ROBERTA_HEADS = {name for cls, name in CASES if cls.__name__.startswith("NPRFRoberta")}
-CODE_FILES = ("configuration_nprf.py", "modeling_nprf.py", "functional.py", "cache_nprf.py")
+CODE_FILES = remote_code_files()
 
 
 def build(cls):
