@@ -258,7 +258,7 @@ class FirstTokenBias(AttentionTerm):
             factors, _ = self.key_factors(phi_k.shape[-2], dtype, phi_k.device)
             return toeplitz_product(phi_k * factors[:, :, None])
 
-        return product, self.bias.to(dtype).clamp_min(0.0).neg().exp()
+        return product, torch.exp(-self.bias.to(dtype).clamp_min(0.0))  # key_factors' shift, without n
 
     def factor_weights(self, weights, dtype):
         factors, shift = self.key_factors(weights.shape[-1], dtype, weights.device)
@@ -282,7 +282,8 @@ def group_ids(keys):
     return inverse, keys.shape[1]
 
 
-# Every term, in the order they apply: feature scales, factors, then summands (which read the factors' shifts).
+# Every term. `AttentionTerms` applies the feature scales, then the factors, then the summands (which read the
+# factors' shifts), each kind in this order.
 ATTENTION_TERMS = (LogitScale, SegmentBias, TokenMatch, FirstTokenBias)
 
 
@@ -317,7 +318,7 @@ class AttentionTerms:
             if variant not in term.variants:
                 raise ValueError(f"{name} applies to the variants {term.variants}, not {variant!r}")
             if causal and not term.causal:
-                raise ValueError(f"{name} needs causal=False (it relates tokens of a pair, not a decoder's past)")
+                raise ValueError(f"{name} needs causal=False: it is a term of encoders")
             term.check(batch, heads, n)
 
     def tensors(self):
