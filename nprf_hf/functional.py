@@ -192,7 +192,8 @@ def _nprf_attention(query, key, value, bias, projection, key_padding_mask, terms
     # (a host sync, hence eager only). Only the product's own inputs count here, not the wrapper's `needs_grad`:
     # a training segment bias or match weight multiplies the product's output and needs no graph inside it.
     inference = not torch.is_grad_enabled() or not any(
-        t is not None and t.requires_grad for t in (query, key, value, c, projection, logit_scale)
+        t is not None and t.requires_grad
+        for t in (query, key, value, c, projection, logit_scale, *terms.tensors(inside_product=True))
     )
     lengths = None
     if algorithm == "dense" and inference and not torch.compiler.is_compiling():

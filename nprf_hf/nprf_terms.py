@@ -35,6 +35,7 @@ class AttentionTerm:
     name: str = None  # its keyword in `nprf_attention` (error messages)
     variants = ATTENTION_VARIANTS
     causal = True  # whether it applies to causal attention
+    inside_product = False  # its tensors enter the Toeplitz product itself (not only scale its output)
 
     @classmethod
     def enabled(cls, config):
@@ -231,6 +232,7 @@ class FirstTokenBias(AttentionTerm):
 
     field, parameter, name = "first_token_bias", "first_key_bias", "first_key_bias"
     causal = False  # a decoder's recurrent state (`NPRFCache`) keeps no per-key factor
+    inside_product = True  # it scales the keys' features
 
     def __init__(self, bias):
         self.bias = bias
@@ -321,8 +323,9 @@ class AttentionTerms:
                 raise ValueError(f"{name} needs causal=False: it is a term of encoders")
             term.check(batch, heads, n)
 
-    def tensors(self):
-        return tuple(tensor for term in self.terms for tensor in term.tensors())
+    def tensors(self, inside_product=False):
+        """The terms' tensors (inside_product: only those that enter the Toeplitz product itself)."""
+        return tuple(t for term in self.terms if term.inside_product or not inside_product for t in term.tensors())
 
     @property
     def pair_terms(self):

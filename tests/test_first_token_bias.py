@@ -50,6 +50,20 @@ def test_every_algorithm_matches_the_reference_with_gradients(algorithm, n, monk
                                naive_attention_weights(q, k, bias, projection, mask, first_key_bias=gamma))
 
 
+@pytest.mark.parametrize("algorithm", ["dense", "fft", "banded"])
+def test_only_the_bias_trains(algorithm):
+    """Gradients reach the bias when nothing else requires them (the products' inference paths must not be used)."""
+    q, k, v, projection, bias, mask = case(40, seed=3)
+    q, k, v = (t.detach() for t in (q, k, v))
+    gamma = torch.tensor([1.5, -0.5], dtype=torch.float64, requires_grad=True)
+    out = Fn.nprf_attention(q, k, v, bias, projection, mask, algorithm=algorithm, band_width=Fn.rpe_band_width(16, 40),
+                            terms=AttentionTerms(FirstTokenBias(gamma)))
+    ref = naive_attention(q, k, v, bias, projection, mask, first_key_bias=gamma)
+    weights = torch.randn_like(ref)
+    torch.testing.assert_close(torch.autograd.grad((out * weights).sum(), gamma)[0],
+                               torch.autograd.grad((ref * weights).sum(), gamma)[0], rtol=1e-8, atol=1e-10)
+
+
 def test_with_the_pair_terms_and_an_exact_variant():
     q, k, v, projection, bias, mask = case(30, seed=1)
     generator = torch.Generator().manual_seed(2)
