@@ -89,8 +89,7 @@ class LogitScale(AttentionTerm):
         return None if logit is None else cls(attention.config.logit_scale_max * torch.sigmoid(logit.float()))
 
     def check(self, batch, heads, n):
-        if self.scale.shape != (heads,):
-            raise ValueError(f"logit_scale must be [H={heads}] (one scale per head), got {tuple(self.scale.shape)}")
+        _check_per_head(self.scale, heads, "logit_scale", "scale")
         if not torch.compiler.is_compiling() and not bool((self.scale > 0).all()):
             raise ValueError("logit_scale must be > 0 for every head")
 
@@ -120,20 +119,15 @@ class SegmentBias(AttentionTerm):
         return cls(inputs["segment_ids"], attention.cross_segment_bias, attention.num_segments)
 
     def check(self, batch, heads, n):
-        ids = self.segment_ids
-        if ids.shape != (batch, n) or ids.is_floating_point():
-            raise ValueError(f"segment_ids must be integer [B={batch}, n={n}], got {ids.dtype} {tuple(ids.shape)}")
-        if self.bias.shape != (heads,):
-            raise ValueError(f"segment_bias must be [H={heads}] (one bias per head), got {tuple(self.bias.shape)}")
+        _check_ids(self.segment_ids, batch, n, "segment_ids")
+        _check_per_head(self.bias, heads, "segment_bias", "bias")
 
     def tensors(self):
         return (self.bias,)
 
     def factors(self, dtype):
         """exp(0) and exp(beta) per head [H], both divided by the larger: <= 1."""
-        bias = self.bias.to(dtype)
-        top = bias.clamp_min(0.0)
-        return torch.exp(-top), torch.exp(bias - top)
+        return _shifted_exp(self.bias.to(dtype))
 
     def factor_product(self, toeplitz_product, dtype):
         """(the product with the factor, its shift [H]): one Toeplitz product per key segment (keys of the other
@@ -184,11 +178,8 @@ class TokenMatch(AttentionTerm):
         return cls(inputs["token_ids"], attention.token_match_weight.clamp_min(0.0), inputs["segment_ids"])
 
     def check(self, batch, heads, n):
-        ids = self.token_ids
-        if ids.shape != (batch, n) or ids.is_floating_point():
-            raise ValueError(f"token_ids must be integer [B={batch}, n={n}], got {ids.dtype} {tuple(ids.shape)}")
-        if self.weight.shape != (heads,):
-            raise ValueError(f"match_weight must be [H={heads}] (one weight per head), got {tuple(self.weight.shape)}")
+        _check_ids(self.token_ids, batch, n, "token_ids")
+        _check_per_head(self.weight, heads, "match_weight", "weight")
         if not torch.compiler.is_compiling() and not bool((self.weight >= 0).all()):
             raise ValueError("match_weight must be >= 0 (it adds attention weight to matching tokens)")
 
@@ -242,29 +233,42 @@ class FirstTokenBias(AttentionTerm):
         return None if attention.first_key_bias is None else cls(attention.first_key_bias)
 
     def check(self, batch, heads, n):
-        if self.bias.shape != (heads,):
-            raise ValueError(f"first_key_bias must be [H={heads}] (one bias per head), got {tuple(self.bias.shape)}")
+        _check_per_head(self.bias, heads, "first_key_bias", "bias")
 
     def tensors(self):
         return (self.bias,)
 
     def key_factors(self, n, dtype, device):
         """([H, n] exp(gamma [j = 0]) divided by its maximum, that shift [H])."""
-        bias = self.bias.to(device=device, dtype=dtype)
-        top = bias.clamp_min(0.0)
-        first = torch.arange(n, device=device) == 0
-        return torch.exp(torch.where(first, bias[:, None], 0.0) - top[:, None]), torch.exp(-top)
+        rest, first = _shifted_exp(self.bias.to(device=device, dtype=dtype))
+        return torch.where(torch.arange(n, device=device) == 0, first[:, None], rest[:, None]), rest
 
     def factor_product(self, toeplitz_product, dtype):
         def product(phi_k):
             factors, _ = self.key_factors(phi_k.shape[-2], dtype, phi_k.device)
             return toeplitz_product(phi_k * factors[:, :, None])
 
-        return product, torch.exp(-self.bias.to(dtype).clamp_min(0.0))  # key_factors' shift, without n
+        return product, _shifted_exp(self.bias.to(dtype))[0]
 
     def factor_weights(self, weights, dtype):
         factors, shift = self.key_factors(weights.shape[-1], dtype, weights.device)
         return weights * factors[:, None, :], shift
+
+
+def _shifted_exp(bias):
+    """(exp(0), exp(bias)) per head, both divided by the larger (<= 1): a bias's factor and, first, its shift."""
+    top = bias.clamp_min(0.0)
+    return torch.exp(-top), torch.exp(bias - top)
+
+
+def _check_per_head(tensor, heads, name, what):
+    if tensor.shape != (heads,):
+        raise ValueError(f"{name} must be [H={heads}] (one {what} per head), got {tuple(tensor.shape)}")
+
+
+def _check_ids(ids, batch, n, name):
+    if ids.shape != (batch, n) or ids.is_floating_point():
+        raise ValueError(f"{name} must be integer [B={batch}, n={n}], got {ids.dtype} {tuple(ids.shape)}")
 
 
 def group_ids(keys):
