@@ -27,6 +27,11 @@ Why each default:
 - `rpe_max_distance`: the distance from which the buckets, and so the bias, are constant (T5's 128); it sets
   the band of the banded algorithm and of the decoding cache.
 - `rpe_shared_across_layers`: one bias table for all layers, as in the paper.
+- `rpe_far_bias`: 0 (off) or a fixed value for b_r beyond the band (T5's last bucket each way, |r| >=
+  `rpe_band_width`) instead of the learned one. A source that attended within 512 positions has never seen
+  thousands of far keys; their summed weight swamps the near ones in a whole long document. -30 zeroes them
+  (attention local to the band, still one exact linear-time pass, and texts shorter than the band unchanged).
+  Not saved with the weights: `from_pretrained(path, rpe_far_bias=-30)` sets it on any NPRF model.
 - `attention_algorithm`: "dense", "fft" or "banded" (exact and equal up to rounding, they
   differ in speed only); "auto" picks the fastest for the input length.
 - `attention_recompute`: "auto" recomputes the banded / fft attention's features and Toeplitz product in

@@ -35,6 +35,7 @@ from .nprf_features import (  # noqa: F401  (draw_projection, positive_random_fe
 )
 from .nprf_fft import fft_toeplitz_attention
 from .nprf_positions import (  # noqa: F401  (the bias helpers: public here)
+    far_bucket_table,
     infer_band_width,
     masked_bias,
     relative_position_bias,

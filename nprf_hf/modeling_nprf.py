@@ -55,6 +55,7 @@ from .families import ATTENTION_LAYOUTS, FAMILIES, HEADS, family_of
 from .options import NPRF_FIELDS, RECOMPUTE_MODES
 from .functional import (
     draw_projection,
+    far_bucket_table,
     normalize_attention,
     nprf_attention,
     nprf_attention_weights,
@@ -219,13 +220,15 @@ class NPRFSelfAttention(nn.Module):
         return cls(config, bool(getattr(config, "is_decoder", False)), layer_idx, layout, projections)
 
     def bucket_table(self, rpe_table=None):
-        """[H, rpe_num_buckets]: this layer's own table, else the shared one the base model passes."""
+        """[H, rpe_num_buckets]: this layer's own table, else the shared one the base model passes, with the
+        farthest buckets fixed at `rpe_far_bias` when set."""
         if not self.config.relative_position_bias:  # b = 0: nothing to learn, and every algorithm still applies
-            return self.projection.new_zeros(self.num_attention_heads, self.config.rpe_num_buckets)
-        table = self.rpe_table if self.rpe_table is not None else rpe_table
+            table = self.projection.new_zeros(self.num_attention_heads, self.config.rpe_num_buckets)
+        else:
+            table = self.rpe_table if self.rpe_table is not None else rpe_table
         if table is None:
             raise ValueError("rpe_shared_across_layers=True: the encoder must pass its rpe_table to the self-attention")
-        return table
+        return far_bucket_table(table, self.config.rpe_far_bias, self.bidirectional)
 
     def logit_scale(self):
         """[H] per-head scale s of the normalized content logits, or None (s = 1, the paper's NPRF)."""
@@ -828,7 +831,8 @@ class NPRFModelMixin:
                 and find_nprf_cache(past) is None
             ):
                 arguments["rpe_bias"] = relative_position_bias(
-                    table, key_length, not causal, self.config.rpe_num_buckets, self.config.rpe_max_distance
+                    far_bucket_table(table, self.config.rpe_far_bias, not causal), key_length, not causal,
+                    self.config.rpe_num_buckets, self.config.rpe_max_distance,
                 )
         arguments.update(term_inputs(self.config, input_ids, arguments.get("token_type_ids"),
                                      arguments.get("segment_ids"), arguments.get("token_ids")))

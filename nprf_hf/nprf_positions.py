@@ -46,6 +46,27 @@ def rpe_band_width(num_buckets=32, max_distance=128, bidirectional=True):
     return int(r[differs].abs().max().item()) + 1 if bool(differs.any()) else 1
 
 
+def far_bucket_table(table, far_bias, bidirectional=True):
+    """The bucket table with the farthest bucket of each direction fixed at `far_bias` (0 = the table as it is).
+
+    T5's last bucket holds every |r| >= `rpe_band_width`, so this fixes b_r beyond the band. A large negative
+    value (-30: c_r ~ 1e-13) makes attention local to the band: what a whole long document needs, when the
+    source only ever attended within its position limit. The filled entries get no gradient.
+
+    Args:
+        table: [H, num_buckets].
+    Returns:
+        [H, num_buckets].
+    """
+    if not far_bias:
+        return table
+    buckets = table.shape[-1]
+    farthest = torch.arange(buckets, device=table.device) == buckets - 1
+    if bidirectional:  # the last bucket of r < 0 too
+        farthest = farthest | (torch.arange(buckets, device=table.device) == buckets // 2 - 1)
+    return table.masked_fill(farthest, far_bias)
+
+
 def relative_position_bias(table, seq_len, bidirectional=True, num_buckets=32, max_distance=128):
     """Expand a bucket table into the per-distance bias b_r.
 
@@ -71,6 +92,13 @@ def masked_bias(bias, n, causal):
         return bias
     future = torch.arange(2 * n - 1, device=bias.device) > n - 1
     return bias.masked_fill(future, float("-inf"))
+
+
+def toeplitz_coefficients(bias):
+    """(c [H, 2n - 1], shift [H]): c_r = exp(b_r - max b) <= 1 (the ratios are shift-invariant) and the shift
+    exp(-max b) that a summand term is scaled by."""
+    top = bias.amax(dim=-1, keepdim=True).detach()
+    return torch.exp(bias - top), torch.exp(-top[:, 0])
 
 
 def toeplitz_matrix(c, n):

@@ -5,6 +5,7 @@ the `nprf-hf` command line builds its parser and answers `--help` without loadin
 configs, `functional`, `convert`, `transfer` and the CLI all read these declarations.
 """
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -162,6 +163,14 @@ NPRF_FIELDS = (
         check=_is_int, rule="an integer",
     ),
     NPRFField("rpe_shared_across_layers", bool, True, "one RPE table for all layers (the paper) or one per layer"),
+    NPRFField(
+        "rpe_far_bias", float, 0.0,
+        "0 = off; < 0: the bias of every distance beyond the RPE band (rpe_band_width: 91 for rpe_max_distance 128, "
+        "305 for 512) fixed at this value instead of learned; -30 makes attention local to the band (long documents)",
+        check=lambda v: _is_number(v) and math.isfinite(v) and v <= 0,
+        rule="0 (off: learned like the other buckets) or a finite negative number (e.g. -30: attention local to the band)",
+        saved_with_weights=False,
+    ),
     NPRFField(
         "attention_algorithm", str, "auto", "exact algorithm of the Toeplitz product; auto picks by length",
         choices=ATTENTION_ALGORITHMS, saved_with_weights=False,
