@@ -34,9 +34,9 @@ Why each default:
   Not saved with the weights: `from_pretrained(path, rpe_far_bias=-30)` sets it on any NPRF model.
 - `attention_algorithm`: "dense", "fft" or "banded" (exact and equal up to rounding, they
   differ in speed only); "auto" picks the fastest for the input length.
-- `attention_recompute`: "auto" recomputes the banded / fft attention's features and Toeplitz product in
-  backward once a layer's features take 16 MiB (long inputs, where they are most of the activations), and
-  keeps them for short inputs, where the second forward would cost time for little memory.
+- `attention_recompute`: "auto" recomputes the banded / fft attention's features in backward (and for fft the
+  Toeplitz product; banded keeps its output instead) once a layer's features take 16 MiB (long inputs, where
+  they are most of the activations), and keeps them for short inputs, where recomputing costs time for little memory.
 - `position_embedding_type`: "absolute" keeps the learned position table of the
   source checkpoint (inputs up to `max_position_embeddings`); "none" drops it, the model then
   knows positions only through the relative bias and takes inputs of any length.

@@ -10,8 +10,8 @@ Luo et al., "Stable, Fast and Accurate: Kernelized Attention with Relative Posit
 where q, k are L2-normalized, phi is the positive random feature map of the softmax kernel and
 b_r is a (T5-bucketed) relative position bias. The Toeplitz matrix C = [c_{j-i}] is applied by one
 of three exact algorithms, a file each: "dense" (`nprf_dense`: n x n weights), "fft" (`nprf_fft`: the
-paper's Toeplitz product through real FFTs) and "banded" (`nprf_banded`: C = far constants + a band).
-The feature maps are in `nprf_features`, positions in `nprf_positions`, the optional terms (logit scale,
+paper's Toeplitz product through real FFTs) and "banded" (`nprf_banded`: C = far constants + a band;
+its lean training mode, features rebuilt in backward, in `nprf_banded_recompute`). The feature maps are in `nprf_features`, positions in `nprf_positions`, the optional terms (logit scale,
 segment bias, word matching) in `nprf_terms`, the recurrent decoding step in `cache_nprf`, and the float64
 reference every algorithm is tested against in `nprf_naive`.
 
@@ -24,12 +24,15 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .nprf_banded import banded_chunking, banded_toeplitz_attention, banded_window
+from .nprf_banded_recompute import banded_attention_recomputed
 from .nprf_dense import dense_toeplitz_attention, dense_toeplitz_inference, exact_kernel, key_lengths
-from .nprf_features import (  # noqa: F401  (draw_projection, positive_random_features: public here)
+from .nprf_features import (  # noqa: F401  (draw_projection, positive_random_features, normalize_attention)
     compute_dtype,
     draw_projection,
+    normalize_attention,
     positive_random_features,
     query_key_features,
+    rows_with_keys,
     values_and_ones,
     variant_features,
 )
@@ -41,6 +44,7 @@ from .nprf_positions import (  # noqa: F401  (the bias helpers: public here)
     relative_position_bias,
     rpe_band_width,
     t5_relative_position_bucket,
+    toeplitz_coefficients,
     toeplitz_matrix,
 )
 from .nprf_terms import AttentionTerms
@@ -112,9 +116,10 @@ def nprf_attention(
             phi_q . phi_k (exp(b_{j-i}) + mu), an exact word-matching term. Linear time: the keys'
             phi_k u^T are summed per (token, segment) group and each query reads the groups of its own
             token in the other segments.
-        recompute: under autograd, keep only the inputs for backward and recompute the features and the
-            products there (activation checkpointing of this function): the [B, H, n, m] features and
-            their padded copies are then not held from forward to backward.
+        recompute: under autograd, keep only the inputs (and for "banded" the output) for backward: the
+            [B, H, n, m] features and their padded copies are then not held from forward to backward. "banded"
+            rebuilds only the features in backward (`nprf_banded_recompute`; with a trained segment bias, whose
+            gradient reads the product's value, as the others do); the others recompute the whole call there.
             None = for the "banded" and "fft" algorithms once the features take RECOMPUTE_MIN_BYTES (long
             inputs, where they are most of a layer's activations), not for "dense". Ignored under torch.compile.
         num_segments: None or S, when every segment id is known to lie in [0, S) (e.g. token types below
@@ -174,6 +179,8 @@ def _attention(query, key, value, rpe_bias, projection, key_padding_mask, algori
     # (not under torch.compile, whose partitioner decides itself what backward recomputes)
     if not (recompute and needs_grad and not torch.compiler.is_compiling()):
         return _nprf_attention(*inputs, algorithm, band_width, causal, variant)
+    if algorithm == "banded" and not terms.product_value_read():  # features rebuilt, the product's forward not rerun
+        return banded_attention_recomputed(*inputs, band_width, causal, variant)
     # No random numbers inside: the recomputation repeats the forward exactly without saving RNG state.
     return checkpoint(
         _nprf_attention, *inputs, algorithm, band_width, causal, variant, use_reentrant=False, preserve_rng_state=False,
@@ -214,31 +221,9 @@ def _nprf_attention(query, key, value, bias, projection, key_padding_mask, terms
     out = terms.product(
         toeplitz_product, phi_q, phi_k, lambda: values_and_ones(value) if u is None else u, shift, algorithm, dtype
     )
-    valid = None
-    if mask is not None:  # FFT rounding can leave tiny non-zero sums on rows with no key at all
-        kept = mask > 0
-        has_key = kept.cumsum(-1) > 0 if causal else kept.any(-1, keepdim=True)
-        valid = has_key[:, None, :, None]
+    valid = rows_with_keys(mask, causal)
     in_place = not (torch.is_grad_enabled() and out.requires_grad)  # inference: no new [B, H, n, d_v] tensor
     return normalize_attention(out[..., :-1], out[..., -1:], valid, in_place).to(query.dtype)
-
-
-def toeplitz_coefficients(bias):
-    """(c [H, 2n - 1], shift [H]): c_r = exp(b_r - max b) <= 1 (the ratios are shift-invariant) and the shift
-    exp(-max b) that a summand term is scaled by."""
-    top = bias.amax(dim=-1, keepdim=True).detach()
-    return torch.exp(bias - top), torch.exp(-top[:, 0])
-
-
-def normalize_attention(numerator, denominator, valid=None, in_place=False):
-    """numerator / denominator [..., 1], zero where the denominator is 0 (a query with no key: its numerator is
-    a sum over no key) or `valid` is False. Division by inf gives those zeros without another pass; a NaN stays
-    NaN, so a diverging run is not hidden. in_place: divide `numerator` itself (inference)."""
-    keep = denominator != 0
-    if valid is not None:
-        keep = keep & valid
-    denominator = torch.where(keep, denominator, torch.full_like(denominator, float("inf")))
-    return numerator.div_(denominator) if in_place else numerator / denominator
 
 
 def nprf_attention_weights(

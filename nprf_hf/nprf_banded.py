@@ -3,8 +3,9 @@
 constant beyond the band (T5's buckets are: `nprf_positions.rpe_band_width`).
 
 Execution modes side by side: eager autograd through two autograd.Functions that work a group of chunks at a
-time in cache (`_BandWindowProduct`, `_FarStates`), and torch.compile through whole-tensor ops that inductor
-can trace (`_band_window_product`, `_far_states`).
+time in cache (`_BandWindowProduct`, `_FarStates`), torch.compile through whole-tensor ops that inductor
+can trace (`_band_window_product`, `_far_states`), and the backward alone from the inputs, a sequence at a time
+(`banded_toeplitz_backward`, for the lean training mode of `nprf_banded_recompute`).
 """
 
 import torch
@@ -39,14 +40,7 @@ def banded_toeplitz_attention(phi_q, phi_k, value, c, band_width, causal):
     num_chunks = -(-n // chunk)
     if num_chunks <= 2 * reach + 1:  # the window covers the whole sequence: this is the dense product
         return dense_toeplitz_attention(phi_q, phi_k, values_and_ones(value), c)
-    padded = num_chunks * chunk
-    window = (2 * reach + 1 if not causal else reach + 1) * chunk
-    # Keys get R zero chunks in front (and behind, unless causal): chunk k's window then starts at
-    # row k s of its head's keys, so unfolding the rows with step s yields exactly one window per chunk.
-    pads = (0, 0, reach * chunk, padded - n + (0 if causal else reach * chunk))
-    k_rows = F.pad(phi_k, pads).view(batch * heads, -1, m)
-    u_rows = values_and_ones(value, pads[2], pads[3]).view(batch * heads, -1, e)
-    q_chunks = (F.pad(phi_q, (0, 0, 0, padded - n)) if padded > n else phi_q).reshape(-1, chunk, m)
+    q_chunks, k_rows, u_rows, window = _band_layout(phi_q, phi_k, value, reach, chunk, causal)
 
     # Near part. Query a and window key w are at distance r = w - R s - a; one [H, s, window]
     # coefficient block serves every chunk (clamped entries only ever meet zero keys).
@@ -61,8 +55,7 @@ def banded_toeplitz_attention(phi_q, phi_k, value, c, band_width, causal):
         coefficients = diagonals(extended[:, start : start + chunk + window - 1], chunk, window)
         out = _band_window_product(q_chunks, k_rows, u_rows, coefficients)
     else:
-        offsets = torch.arange(window, device=c.device)[None, :] - reach * chunk - torch.arange(chunk, device=c.device)[:, None]
-        coefficients = c[:, (offsets + n - 1).clamp(0, 2 * n - 2)]
+        coefficients = c[:, _coefficient_index(n, chunk, reach, window, c.device)]
         out = _BandWindowProduct.apply(q_chunks, k_rows, u_rows, coefficients)
 
     # Far part: chunk k gets c_far^- times the states of chunks <= k-R-1 (and c_far^+ times those >= k+R+1).
@@ -71,7 +64,94 @@ def banded_toeplitz_attention(phi_q, phi_k, value, c, band_width, causal):
     far_states = _far_states if compiling else _FarStates.apply
     far = far_states(states, c[:, 0], None if causal else c[:, -1], num_chunks, reach)
     out = out.baddbmm_(q_chunks, far.view(-1, m, e))
-    return out.view(batch, heads, padded, e)[:, :, :n]
+    return out.view(batch, heads, -1, e)[:, :, :n]
+
+
+def _band_layout(phi_q, phi_k, value, reach, chunk, causal):
+    """(q_chunks [B*H*chunks, s, m], k_rows [B*H, rows, m], u_rows [B*H, rows, e], window): the sequence padded to
+    whole chunks, the keys and [v | 1] with R zero chunks in front (and behind, unless causal): chunk k's window
+    then starts at row k s of its head's rows, so unfolding the rows with step s yields exactly one window per chunk."""
+    batch, heads, n, m = phi_q.shape
+    padded = -(-n // chunk) * chunk
+    window = (2 * reach + 1 if not causal else reach + 1) * chunk
+    pads = (0, 0, reach * chunk, padded - n + (0 if causal else reach * chunk))
+    k_rows = F.pad(phi_k, pads).view(batch * heads, -1, m)
+    u_rows = values_and_ones(value, pads[2], pads[3]).view(batch * heads, -1, value.shape[-1] + 1)
+    q_chunks = (F.pad(phi_q, (0, 0, 0, padded - n)) if padded > n else phi_q).reshape(-1, chunk, m)
+    return q_chunks, k_rows, u_rows, window
+
+
+def _coefficient_index(n, chunk, reach, window, device):
+    """[s, window] entries of c [H, 2n - 1] for query a and window key w, at distance r = w - R s - a (clamped
+    entries only ever meet zero keys)."""
+    offsets = torch.arange(window, device=device)[None, :] - reach * chunk - torch.arange(chunk, device=device)[:, None]
+    return (offsets + n - 1).clamp(0, 2 * n - 2)
+
+
+def banded_toeplitz_backward(phi_q, phi_k, value, c, band_width, causal, grad_out, needs_c=True):
+    """The gradients (phi_q, phi_k, value, c; c's None unless `needs_c`) of `banded_toeplitz_attention` for
+    grad_out [B, H, n, e], from its inputs alone: its forward is not run. One sequence (batch row, head) at a
+    time, so that the padded copies, the chunk states and the work buffers are those of one head."""
+    batch, heads, n, _ = phi_q.shape
+    reach, chunk = banded_chunking(band_width)
+    if -(-n // chunk) <= 2 * reach + 1:  # dense (short inputs): its forward costs little, autograd derives the rest
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(True) for t in (phi_q, phi_k, value, c)]
+            out = dense_toeplitz_attention(leaves[0], leaves[1], values_and_ones(leaves[2]), leaves[3])
+            grads = torch.autograd.grad(out, leaves, grad_out)
+        return (*grads[:3], grads[3] if needs_c else None)
+    grad_q, grad_k, grad_v = torch.empty_like(phi_q), torch.empty_like(phi_k), torch.empty_like(value)
+    grad_c = torch.zeros_like(c) if needs_c else None
+    for b in range(batch):
+        for h in range(heads):
+            one = (slice(b, b + 1), slice(h, h + 1))
+            grads = _sequence_backward(phi_q[one], phi_k[one], value[one], c[h : h + 1], reach, chunk, causal,
+                                       grad_out[one], needs_c)
+            for target, grad in zip((grad_q, grad_k, grad_v), grads):
+                target[b, h] = grad[0, 0]
+            if needs_c:
+                grad_c[h] += grads[3][0]
+    return grad_q, grad_k, grad_v, grad_c
+
+
+def _sequence_backward(phi_q, phi_k, value, c, reach, chunk, causal, grad_out, needs_c):
+    """`banded_toeplitz_backward` of one sequence ([1, 1, n, .] inputs, c [1, 2n - 1]); the gradients are views of
+    padded buffers. The far part's states and prefix sums are rebuilt (O(n m e)); the band's [s, window] weights
+    are rebuilt by the window product's backward anyway."""
+    _, _, n, m = phi_q.shape
+    e = value.shape[-1] + 1
+    num_chunks = -(-n // chunk)
+    q_chunks, k_rows, u_rows, window = _band_layout(phi_q, phi_k, value, reach, chunk, causal)
+    index = _coefficient_index(n, chunk, reach, window, c.device)
+    grad_chunks = F.pad(grad_out, (0, 0, 0, num_chunks * chunk - n)).reshape(-1, chunk, e)
+    grad_q, grad_k, grad_u, grad_coefficients = _band_window_backward(
+        q_chunks, k_rows, u_rows, c[:, index], grad_chunks, needs_c
+    )
+    # Far part, out[k] += q[k] @ far[k] with far the prefix / suffix sums of the chunk states k_s^T u_s.
+    states = torch.bmm(k_rows.view(-1, chunk, m).transpose(-1, -2), u_rows.view(-1, chunk, e)).view(1, 1, -1, m * e)
+    c_after = None if causal else c[:, -1]
+    far = _far_sums(states, c[:, 0], c_after, num_chunks, reach)
+    grad_q.baddbmm_(grad_chunks, far.view(-1, m, e).transpose(-1, -2))
+    grad_far = torch.bmm(q_chunks.transpose(-1, -2), grad_chunks).view(1, 1, num_chunks, m * e)
+    grad_states, grad_before, grad_after = _far_sums_backward(
+        states, c[:, 0], c_after, grad_far, num_chunks, reach, needs_c, needs_c
+    )
+    grad_states = grad_states.view(-1, m, e)
+    grad_k.view(-1, chunk, m).baddbmm_(u_rows.view(-1, chunk, e), grad_states.transpose(-1, -2))
+    grad_u.view(-1, chunk, e).baddbmm_(k_rows.view(-1, chunk, m), grad_states)
+    front = reach * chunk
+    grad_c = None
+    if needs_c:
+        grad_c = torch.zeros_like(c).index_add_(1, index.flatten(), grad_coefficients.flatten(1))
+        grad_c[:, 0] += grad_before
+        if grad_after is not None:
+            grad_c[:, -1] += grad_after
+    return (
+        grad_q.view(1, 1, -1, m)[:, :, :n],
+        grad_k.view(1, 1, -1, m)[:, :, front : front + n],
+        grad_u.view(1, 1, -1, e)[:, :, front : front + n, :-1],
+        grad_c,
+    )
 
 
 def _band_window_product(q, k_rows, u_rows, coefficients):
@@ -136,36 +216,41 @@ class _BandWindowProduct(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k_rows, u_rows, coefficients = ctx.saved_tensors
-        heads, chunk, window = coefficients.shape
-        sequences = k_rows.shape[0]
-        num_chunks = q.shape[0] // sequences
-        k_windows = k_rows.unfold(1, window, chunk)  # [B*H, chunks, m, window]
-        u_windows = u_rows.unfold(1, window, chunk)  # [B*H, chunks, e, window]
-        grad_out = grad_out.contiguous()
-        grad_q = torch.empty_like(q)
-        grad_k = torch.zeros_like(k_rows)
-        grad_u = torch.zeros_like(u_rows)
-        grad_coefficients = torch.zeros_like(coefficients) if ctx.needs_input_grad[3] else None
-        group = min(BANDED_GROUP, num_chunks)  # per-group buffers, reused: no allocation per group
-        buffers = [q.new_empty(group, chunk, window) for _ in range(3)]
-        grad_u_windows = q.new_empty(group, window, u_rows.shape[-1])
-        grad_k_windows = q.new_empty(group, window, q.shape[-1])
-        for sequence, first, last, rows in _chunk_groups(sequences, num_chunks):
-            coefficient, count = coefficients[sequence % heads], last - first
-            q_group, grad_group = q[rows], grad_out[rows]
-            k_group, u_group = k_windows[sequence, first:last], u_windows[sequence, first:last]
-            scores = torch.bmm(q_group, k_group, out=buffers[0][:count])
-            grad_weights = torch.bmm(grad_group, u_group, out=buffers[1][:count])
-            if grad_coefficients is not None:
-                grad_coefficients[sequence % heads] += torch.mul(scores, grad_weights, out=buffers[2][:count]).sum(0)
-            weights = scores.mul_(coefficient)
-            torch.bmm(weights.transpose(-1, -2), grad_group, out=grad_u_windows[:count])
-            _fold_windows(grad_u_windows[:count], grad_u[sequence], first, chunk)
-            grad_scores = grad_weights.mul_(coefficient)
-            torch.bmm(grad_scores, k_group.transpose(-1, -2), out=grad_q[rows])
-            torch.bmm(grad_scores.transpose(-1, -2), q_group, out=grad_k_windows[:count])
-            _fold_windows(grad_k_windows[:count], grad_k[sequence], first, chunk)
-        return grad_q, grad_k, grad_u, grad_coefficients
+        return _band_window_backward(q, k_rows, u_rows, coefficients, grad_out, ctx.needs_input_grad[3])
+
+
+def _band_window_backward(q, k_rows, u_rows, coefficients, grad_out, needs_coefficients):
+    """(grad q, k_rows, u_rows, coefficients or None) of `_BandWindowProduct` for grad_out [B*H*chunks, s, e]."""
+    heads, chunk, window = coefficients.shape
+    sequences = k_rows.shape[0]
+    num_chunks = q.shape[0] // sequences
+    k_windows = k_rows.unfold(1, window, chunk)  # [B*H, chunks, m, window]
+    u_windows = u_rows.unfold(1, window, chunk)  # [B*H, chunks, e, window]
+    grad_out = grad_out.contiguous()
+    grad_q = torch.empty_like(q)
+    grad_k = torch.zeros_like(k_rows)
+    grad_u = torch.zeros_like(u_rows)
+    grad_coefficients = torch.zeros_like(coefficients) if needs_coefficients else None
+    group = min(BANDED_GROUP, num_chunks)  # per-group buffers, reused: no allocation per group
+    buffers = [q.new_empty(group, chunk, window) for _ in range(3)]
+    grad_u_windows = q.new_empty(group, window, u_rows.shape[-1])
+    grad_k_windows = q.new_empty(group, window, q.shape[-1])
+    for sequence, first, last, rows in _chunk_groups(sequences, num_chunks):
+        coefficient, count = coefficients[sequence % heads], last - first
+        q_group, grad_group = q[rows], grad_out[rows]
+        k_group, u_group = k_windows[sequence, first:last], u_windows[sequence, first:last]
+        scores = torch.bmm(q_group, k_group, out=buffers[0][:count])
+        grad_weights = torch.bmm(grad_group, u_group, out=buffers[1][:count])
+        if grad_coefficients is not None:
+            grad_coefficients[sequence % heads] += torch.mul(scores, grad_weights, out=buffers[2][:count]).sum(0)
+        weights = scores.mul_(coefficient)
+        torch.bmm(weights.transpose(-1, -2), grad_group, out=grad_u_windows[:count])
+        _fold_windows(grad_u_windows[:count], grad_u[sequence], first, chunk)
+        grad_scores = grad_weights.mul_(coefficient)
+        torch.bmm(grad_scores, k_group.transpose(-1, -2), out=grad_q[rows])
+        torch.bmm(grad_scores.transpose(-1, -2), q_group, out=grad_k_windows[:count])
+        _fold_windows(grad_k_windows[:count], grad_k[sequence], first, chunk)
+    return grad_q, grad_k, grad_u, grad_coefficients
 
 
 def _chunk_groups(sequences, num_chunks):
@@ -196,42 +281,55 @@ class _FarStates(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, states, c_before, c_after, num_chunks, reach):
-        batch, heads, slots, features = states.shape
-        far = states.new_empty(batch, heads, num_chunks, features)
-        far[:, :, 0].zero_()
-        scale = c_before.view(1, heads, 1)
-        for k in range(1, num_chunks):
-            torch.addcmul(far[:, :, k - 1], states[:, :, k - 1], scale, out=far[:, :, k])
-        if c_after is not None:
-            scale = c_after.view(1, heads, 1)
-            running = states.new_zeros(batch, heads, features)
-            for k in range(num_chunks - 2, -1, -1):
-                running.addcmul_(states[:, :, k + 2 * reach + 1], scale)
-                far[:, :, k].add_(running)
         ctx.save_for_backward(states, c_before, c_after)
         ctx.num_chunks, ctx.reach = num_chunks, reach
-        return far
+        return _far_sums(states, c_before, c_after, num_chunks, reach)
 
     @staticmethod
     def backward(ctx, grad_far):
         states, c_before, c_after = ctx.saved_tensors
-        num_chunks, gap = ctx.num_chunks, 2 * ctx.reach + 1
-        batch, heads, slots, features = states.shape
-        # before[j] = sum_{k > j} grad_far[k]; after[j] = sum_{k <= j - gap} grad_far[k].
-        before = torch.zeros_like(states)
-        for j in range(num_chunks - 2, -1, -1):
-            torch.add(before[:, :, j + 1], grad_far[:, :, j + 1], out=before[:, :, j])
-        grad_before = (before * states).sum((0, 2, 3)) if ctx.needs_input_grad[1] else None
-        grad_states = before.mul_(c_before.view(1, heads, 1, 1))
-        grad_after = None
-        if c_after is not None:
-            after = torch.zeros_like(states)
-            for j in range(gap, gap + num_chunks - 1):
-                torch.add(after[:, :, j - 1], grad_far[:, :, j - gap], out=after[:, :, j])
-            if ctx.needs_input_grad[2]:
-                grad_after = (after * states).sum((0, 2, 3))
-            grad_states.add_(after.mul_(c_after.view(1, heads, 1, 1)))
-        return grad_states, grad_before, grad_after, None, None
+        grads = _far_sums_backward(
+            states, c_before, c_after, grad_far, ctx.num_chunks, ctx.reach, *ctx.needs_input_grad[1:3]
+        )
+        return (*grads, None, None)
+
+
+def _far_sums(states, c_before, c_after, num_chunks, reach):
+    """`_FarStates`' forward: running sums updated in place, one chunk at a time."""
+    batch, heads, slots, features = states.shape
+    far = states.new_empty(batch, heads, num_chunks, features)
+    far[:, :, 0].zero_()
+    scale = c_before.view(1, heads, 1)
+    for k in range(1, num_chunks):
+        torch.addcmul(far[:, :, k - 1], states[:, :, k - 1], scale, out=far[:, :, k])
+    if c_after is not None:
+        scale = c_after.view(1, heads, 1)
+        running = states.new_zeros(batch, heads, features)
+        for k in range(num_chunks - 2, -1, -1):
+            running.addcmul_(states[:, :, k + 2 * reach + 1], scale)
+            far[:, :, k].add_(running)
+    return far
+
+
+def _far_sums_backward(states, c_before, c_after, grad_far, num_chunks, reach, needs_before, needs_after):
+    """(grad states, c_before or None, c_after or None) of `_FarStates`."""
+    gap = 2 * reach + 1
+    batch, heads, slots, features = states.shape
+    # before[j] = sum_{k > j} grad_far[k]; after[j] = sum_{k <= j - gap} grad_far[k].
+    before = torch.zeros_like(states)
+    for j in range(num_chunks - 2, -1, -1):
+        torch.add(before[:, :, j + 1], grad_far[:, :, j + 1], out=before[:, :, j])
+    grad_before = (before * states).sum((0, 2, 3)) if needs_before else None
+    grad_states = before.mul_(c_before.view(1, heads, 1, 1))
+    grad_after = None
+    if c_after is not None:
+        after = torch.zeros_like(states)
+        for j in range(gap, gap + num_chunks - 1):
+            torch.add(after[:, :, j - 1], grad_far[:, :, j - gap], out=after[:, :, j])
+        if needs_after:
+            grad_after = (after * states).sum((0, 2, 3))
+        grad_states.add_(after.mul_(c_after.view(1, heads, 1, 1)))
+    return grad_states, grad_before, grad_after
 
 
 def banded_chunking(band_width):

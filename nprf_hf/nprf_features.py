@@ -3,7 +3,7 @@
 
 "nprf" (the paper): phi(sqrt(s) x / |x|), positive random features of the L2-normalized query / key;
 "prf": Performer's phi(x d^(-1/4)); "elu_linear": elu(x) + 1. Also the values' ones column that every
-product carries for the denominator. Pure functions, no state.
+product carries for the denominator, and the final division by it. Pure functions, no state.
 """
 
 import math
@@ -162,3 +162,29 @@ def values_and_ones(value, before=0, after=0):
     u[:, :, before : before + n, :d] = value
     u[:, :, before : before + n, d] = 1.0
     return u
+
+
+def normalize_attention(numerator, denominator, valid=None, in_place=False):
+    """numerator / denominator [..., 1], zero where the denominator is 0 (a query with no key: its numerator is
+    a sum over no key) or `valid` is False. Division by inf gives those zeros without another pass; a NaN stays
+    NaN, so a diverging run is not hidden. in_place: divide `numerator` itself (inference)."""
+    denominator = kept_denominator(denominator, valid)
+    return numerator.div_(denominator) if in_place else numerator / denominator
+
+
+def kept_denominator(denominator, valid=None):
+    """The divisor of `normalize_attention`: the denominator, inf where it is 0 or `valid` is False."""
+    keep = denominator != 0
+    if valid is not None:
+        keep = keep & valid
+    return torch.where(keep, denominator, torch.full_like(denominator, float("inf")))
+
+
+def rows_with_keys(mask, causal):
+    """None (no mask) or [B, 1, n, 1] bool: the query rows with at least one kept key (before them when causal)
+    for the float mask [B, n]: FFT rounding can leave tiny non-zero sums on the others."""
+    if mask is None:
+        return None
+    kept = mask > 0
+    has_key = kept.cumsum(-1) > 0 if causal else kept.any(-1, keepdim=True)
+    return has_key[:, None, :, None]

@@ -17,6 +17,7 @@ forward (`term_inputs`); `nprf_attention` builds the same object from its keywor
 class here, listed in `ATTENTION_TERMS`, plus its config field in `options.NPRF_FIELDS`.
 """
 
+import copy
 import math
 from typing import Optional
 
@@ -36,6 +37,7 @@ class AttentionTerm:
     variants = ATTENTION_VARIANTS
     causal = True  # whether it applies to causal attention
     inside_product = False  # its tensors enter the Toeplitz product itself (not only scale its output)
+    tensor_fields = ()  # its attributes that hold tensors a gradient may flow to
 
     @classmethod
     def enabled(cls, config):
@@ -57,7 +59,7 @@ class AttentionTerm:
 
     def tensors(self):
         """The tensors a gradient may flow to."""
-        return ()
+        return tuple(getattr(self, name) for name in self.tensor_fields)
 
     def feature_scale(self):
         return None
@@ -70,6 +72,7 @@ class LogitScale(AttentionTerm):
 
     field, parameter, name = "logit_scale_max", "logit_scale_logit", "logit_scale"
     variants = NORMALIZED_VARIANTS  # it scales normalized logits
+    tensor_fields = ("scale",)
 
     def __init__(self, scale):
         self.scale = scale
@@ -93,9 +96,6 @@ class LogitScale(AttentionTerm):
         if not torch.compiler.is_compiling() and not bool((self.scale > 0).all()):
             raise ValueError("logit_scale must be > 0 for every head")
 
-    def tensors(self):
-        return (self.scale,)
-
     def feature_scale(self):
         return self.scale
 
@@ -106,6 +106,7 @@ class SegmentBias(AttentionTerm):
     into one product per key segment (cost x the number of segments)."""
 
     field, parameter, name = "segment_bias", "cross_segment_bias", "segment_bias"
+    tensor_fields = ("bias",)
 
     def __init__(self, segment_ids, bias, num_segments=None):
         """segment_ids [B, n] integer; bias [H]; num_segments: None or S when every id is known to lie in
@@ -121,9 +122,6 @@ class SegmentBias(AttentionTerm):
     def check(self, batch, heads, n):
         _check_ids(self.segment_ids, batch, n, "segment_ids")
         _check_per_head(self.bias, heads, "segment_bias", "bias")
-
-    def tensors(self):
-        return (self.bias,)
 
     def factors(self, dtype):
         """exp(0) and exp(beta) per head [H], both divided by the larger: <= 1."""
@@ -166,6 +164,7 @@ class TokenMatch(AttentionTerm):
 
     field, parameter, name = "token_match", "token_match_weight", "the word-matching term"
     causal = False
+    tensor_fields = ("weight",)
 
     def __init__(self, token_ids, weight, segment_ids):
         """token_ids, segment_ids [B, n] integer; weight [H] >= 0."""
@@ -182,9 +181,6 @@ class TokenMatch(AttentionTerm):
         _check_per_head(self.weight, heads, "match_weight", "weight")
         if not torch.compiler.is_compiling() and not bool((self.weight >= 0).all()):
             raise ValueError("match_weight must be >= 0 (it adds attention weight to matching tokens)")
-
-    def tensors(self):
-        return (self.weight,)
 
     def matches(self, device):
         """[B, 1, n, n] bool: key j is query i's token in another segment."""
@@ -224,6 +220,7 @@ class FirstTokenBias(AttentionTerm):
     field, parameter, name = "first_token_bias", "first_key_bias", "first_key_bias"
     causal = False  # a decoder's recurrent state (`NPRFCache`) keeps no per-key factor
     inside_product = True  # it scales the keys' features
+    tensor_fields = ("bias",)
 
     def __init__(self, bias):
         self.bias = bias
@@ -234,9 +231,6 @@ class FirstTokenBias(AttentionTerm):
 
     def check(self, batch, heads, n):
         _check_per_head(self.bias, heads, "first_key_bias", "bias")
-
-    def tensors(self):
-        return (self.bias,)
 
     def key_factors(self, n, dtype, device):
         """([H, n] exp(gamma [j = 0]) divided by its maximum, that shift [H])."""
@@ -330,6 +324,24 @@ class AttentionTerms:
     def tensors(self, inside_product=False):
         """The terms' tensors (inside_product: only those that enter the Toeplitz product itself)."""
         return tuple(t for term in self.terms if term.inside_product or not inside_product for t in term.tensors())
+
+    def with_tensors(self, tensors):
+        """A copy whose terms hold `tensors` (in the order of `tensors()`) in place of their own."""
+        tensors, terms = list(tensors), []
+        for term in self.terms:
+            term = copy.copy(term)
+            for name in term.tensor_fields:
+                setattr(term, name, tensors.pop(0))
+            terms.append(term)
+        return AttentionTerms(*terms)
+
+    def product_value_read(self):
+        """Whether a gradient reads the Toeplitz product's value: that of a factor of its output (not inside it)
+        whose tensor requires grad."""
+        return any(
+            hasattr(term, "factor_product") and not term.inside_product and any(t.requires_grad for t in term.tensors())
+            for term in self.terms
+        )
 
     @property
     def pair_terms(self):

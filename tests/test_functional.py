@@ -566,7 +566,8 @@ def test_dense_inference_product_matches_reference_with_any_mask(n):
 
 def _held_bytes(function, *inputs):
     """Bytes of the tensors autograd saves for backward while `function()` runs, counted once per storage,
-    leaving out the storages of `inputs` (alive anyway); -> (result, bytes)."""
+    leaving out the storages of `inputs` and of the result (alive anyway: the models' output projection keeps
+    the attention's output for its own backward); -> (result, bytes)."""
     storages = {}
 
     def pack(tensor):
@@ -575,7 +576,7 @@ def _held_bytes(function, *inputs):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         result = function()
-    for tensor in inputs:
+    for tensor in (*inputs, result):
         storages.pop(tensor.untyped_storage().data_ptr(), None)
     return result, sum(storages.values())
 

@@ -12,8 +12,8 @@ PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # A new module must be given a layer here: where it sits is a design decision, not an accident.
 LAYERS = {
     "declarations": ("options", "families", "checkpoint_files"),  # torch-free: the CLI reads them without torch
-    "math": ("nprf_positions", "nprf_features", "nprf_dense", "nprf_fft", "nprf_banded", "nprf_terms", "nprf_naive",
-             "functional"),
+    "math": ("nprf_positions", "nprf_features", "nprf_dense", "nprf_fft", "nprf_banded", "nprf_banded_recompute",
+             "nprf_terms", "nprf_naive", "functional"),
     "model": ("configuration_nprf", "cache_nprf", "modeling_nprf"),
     "tools": ("glue", "transfer", "long_context", "convert", "modelcard", "cli"),
 }

@@ -1,0 +1,119 @@
+# coding=utf-8
+"""The banded algorithm's lean training mode (long inputs, `recompute`): one autograd.Function around the feature
+maps, the banded Toeplitz product with its terms and the normalization, that keeps from forward to backward only
+its inputs, its output z and the denominators [B, H, n, 1].
+
+Activation checkpointing of the whole call (what `recompute` does for the other algorithms) would run the product's
+forward twice. Backward here rebuilds only the features (two [n, d] x [d, m] matmuls and an exp per head), and the
+product's backward (`banded_toeplitz_backward`) needs its inputs, not its output: from z and the denominators the
+gradient of the normalization is known, so the product's forward is never run again.
+"""
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .nprf_banded import banded_toeplitz_attention, banded_toeplitz_backward
+from .nprf_features import (
+    compute_dtype,
+    kept_denominator,
+    query_key_features,
+    rows_with_keys,
+    values_and_ones,
+)
+from .nprf_positions import toeplitz_coefficients
+
+
+def banded_attention_recomputed(query, key, value, bias, projection, key_padding_mask, terms, band_width, causal,
+                                variant):
+    """z [B, H, n, d_v] of the banded algorithm under autograd, the features rebuilt in backward (arguments as
+    `functional._nprf_attention`: bias [H, 2n - 1] with -inf for the future when causal, terms an `AttentionTerms`
+    whose trained tensors do not read the product's value, see `AttentionTerms.product_value_read`).
+
+    The output is laid out as query (a [B, H, n, d] view of [B, n, H, d] storage, as the models pass it, gives the
+    same view): the models' transpose back to [B, n, H * d] is then free, and the output projection keeps for its
+    own backward the very tensor kept here."""
+    dtype = compute_dtype(query.dtype)
+    c, shift = toeplitz_coefficients(bias)
+    mask = None if key_padding_mask is None else key_padding_mask.to(device=query.device, dtype=dtype)
+    setup = (mask, terms, shift, band_width, causal, variant)
+    return _KeptOutputAttention.apply(setup, query, key, value, c, projection, *terms.tensors())
+
+
+def _product(phi_q, phi_k, value, c, shift, terms, band_width, causal, product):
+    """sum_j w_ij [v_j | 1] [B, H, n, e] with every term, `product(phi_q, keys, value, c)` the banded product."""
+    return terms.product(
+        lambda keys: product(phi_q, keys, value, c, band_width, causal), phi_q, phi_k, lambda: values_and_ones(value),
+        shift, "banded", phi_q.dtype,
+    )
+
+
+class _KeptOutputAttention(torch.autograd.Function):
+    """z = numerator / denominator of the banded product of (query, key, value, c, projection, term tensors), see
+    `banded_attention_recomputed`; setup: (mask, terms, shift, band_width, causal, variant)."""
+
+    @staticmethod
+    def forward(ctx, setup, query, key, value, c, projection, *term_tensors):
+        mask, terms, shift, band_width, causal, variant = setup
+        dtype = compute_dtype(query.dtype)
+        phi_q, phi_k = query_key_features(query, key, projection, mask, dtype, terms.logit_scale, variant=variant)
+        out = _product(phi_q, phi_k, value.to(dtype), c, shift, terms, band_width, causal, banded_toeplitz_attention)
+        del phi_q, phi_k
+        denominator = kept_denominator(out[..., -1:], rows_with_keys(mask, causal))
+        batch, heads, n, _ = query.shape
+        if query.transpose(1, 2).is_contiguous():
+            z = out.new_empty(batch, n, heads, value.shape[-1]).transpose(1, 2)
+        else:
+            z = out.new_empty(batch, heads, n, value.shape[-1])
+        z = torch.div(out[..., :-1], denominator, out=z).to(query.dtype)
+        ctx.setup = setup
+        ctx.save_for_backward(query, key, value, c, projection, z, denominator, *term_tensors)
+        return z
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_z):
+        mask, terms, shift, band_width, causal, variant = ctx.setup
+        query, key, value, c, projection, z, denominator, *term_tensors = ctx.saved_tensors
+        dtype = denominator.dtype
+        grad_out = _normalization_backward(grad_z.to(dtype), z.to(dtype), denominator)
+        needs = ctx.needs_input_grad[1:]
+        inputs = (query, key, value, c, projection, *term_tensors)
+        leaves = [t.detach().requires_grad_(need) for t, need in zip(inputs, needs)]
+        query, key, value, c, projection, *term_tensors = leaves
+        terms = terms.with_tensors(term_tensors)
+        with torch.enable_grad():
+            phi_q, phi_k = query_key_features(query, key, projection, mask, dtype, terms.logit_scale, variant=variant)
+            out = _product(phi_q, phi_k, value.to(dtype), c, shift, terms, band_width, causal, _BandedBackward.apply)
+            wanted = [leaf for leaf, need in zip(leaves, needs) if need]
+            grads = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True))
+        return (None, *(next(grads) if need else None for need in needs))
+
+
+def _normalization_backward(grad_z, z, denominator):
+    """[B, H, n, e]: the gradient of the product's output (numerator | denominator) for that of z = N / D:
+    dN = dz / D, dD = -(dz . z) / D; both zero on rows without keys (D = inf there, z = 0)."""
+    grad_out = grad_z.new_empty(*z.shape[:-1], z.shape[-1] + 1)
+    grad_numerator = torch.div(grad_z, denominator, out=grad_out[..., :-1])
+    torch.sum(grad_numerator * z, dim=-1, keepdim=True, out=grad_out[..., -1:]).neg_()
+    return grad_out
+
+
+class _BandedBackward(torch.autograd.Function):
+    """The banded product's backward alone, for the graph `_KeptOutputAttention` rebuilds in backward: its forward
+    returns zeros in the product's shape, a stand-in that routes the kept output's gradient through the terms and
+    the features and is never read (a term whose gradient reads the product's value takes the checkpointed path)."""
+
+    @staticmethod
+    def forward(ctx, phi_q, phi_k, value, c, band_width, causal):
+        ctx.save_for_backward(phi_q, phi_k, value, c)
+        ctx.band_width, ctx.causal = band_width, causal
+        return phi_q.new_zeros(()).expand(*phi_q.shape[:-1], value.shape[-1] + 1)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        phi_q, phi_k, value, c = ctx.saved_tensors
+        grads = banded_toeplitz_backward(
+            phi_q, phi_k, value, c, ctx.band_width, ctx.causal, grad_out.contiguous(), ctx.needs_input_grad[3]
+        )
+        return (*grads, None, None)
