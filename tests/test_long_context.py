@@ -248,6 +248,18 @@ def test_benchmark_runs_every_method_and_writes_table_and_plot(bench, tiny, tmp_
                     "--docs", "3", "--faithfulness-file", "", "--output", stem])
 
 
+def test_benchmark_sets_config_fields_of_an_nprf_model_at_load(bench, tiny):
+    _, softmax_dir, nprf_dir, _, _ = tiny
+    assert bench.nprf_spec("far=/a/b,rpe_far_bias=-30,attention_algorithm=banded") == (
+        "far", "/a/b", {"rpe_far_bias": -30, "attention_algorithm": "banded"})
+    args = bench.parse_args(["--model", softmax_dir, "--nprf", f"plain={nprf_dir}", "--nprf", f"far={nprf_dir},rpe_far_bias=-30",
+                             "--faithfulness-file", ""])
+    _, models = bench.load_models(args)
+    assert models["plain"].config.rpe_far_bias == 0 and models["far"].config.rpe_far_bias == -30
+    with pytest.raises(SystemExit):  # a setting without a value
+        bench.parse_args(["--model", softmax_dir, "--nprf", f"far={nprf_dir},rpe_far_bias", "--faithfulness-file", ""])
+
+
 # ---------------------------------------------------------------------------------------------
 # examples/run_long_retrieval.py
 # ---------------------------------------------------------------------------------------------
