@@ -11,8 +11,9 @@ where q, k are L2-normalized, phi is the positive random feature map of the soft
 b_r is a (T5-bucketed) relative position bias. The Toeplitz matrix C = [c_{j-i}] is applied by one
 of three exact algorithms, a file each: "dense" (`nprf_dense`: n x n weights), "fft" (`nprf_fft`: the
 paper's Toeplitz product through real FFTs) and "banded" (`nprf_banded`: C = far constants + a band;
-its lean training mode, features rebuilt in backward, in `nprf_banded_recompute`). The feature maps are in `nprf_features`, positions in `nprf_positions`, the optional terms (logit scale,
-segment bias, word matching) in `nprf_terms`, the recurrent decoding step in `cache_nprf`, and the float64
+its lean training mode, features rebuilt in backward, in `nprf_banded_recompute`). The feature maps are in
+`nprf_features`, positions in `nprf_positions`, the optional terms (logit scale, segment bias, word matching)
+in `nprf_terms`, the recurrent decoding step in `cache_nprf`, and the float64
 reference every algorithm is tested against in `nprf_naive`.
 
 Nothing here holds state: every function takes tensors and returns tensors.

@@ -59,8 +59,7 @@ def banded_toeplitz_attention(phi_q, phi_k, value, c, band_width, causal):
         out = _BandWindowProduct.apply(q_chunks, k_rows, u_rows, coefficients)
 
     # Far part: chunk k gets c_far^- times the states of chunks <= k-R-1 (and c_far^+ times those >= k+R+1).
-    states = torch.bmm(k_rows.view(-1, chunk, m).transpose(-1, -2), u_rows.view(-1, chunk, e))
-    states = states.view(batch, heads, -1, m * e)  # [B, H, R + chunks (+ R), m e], the padding chunks hold zeros
+    states = _chunk_states(k_rows, u_rows, chunk).view(batch, heads, -1, m * e)
     far_states = _far_states if compiling else _FarStates.apply
     far = far_states(states, c[:, 0], None if causal else c[:, -1], num_chunks, reach)
     out = out.baddbmm_(q_chunks, far.view(-1, m, e))
@@ -79,6 +78,12 @@ def _band_layout(phi_q, phi_k, value, reach, chunk, causal):
     u_rows = values_and_ones(value, pads[2], pads[3]).view(batch * heads, -1, value.shape[-1] + 1)
     q_chunks = (F.pad(phi_q, (0, 0, 0, padded - n)) if padded > n else phi_q).reshape(-1, chunk, m)
     return q_chunks, k_rows, u_rows, window
+
+
+def _chunk_states(k_rows, u_rows, chunk):
+    """[B*H * (R + chunks (+ R)), m, e]: each chunk's phi_k^T [v | 1] (the padding chunks hold zeros)."""
+    m, e = k_rows.shape[-1], u_rows.shape[-1]
+    return torch.bmm(k_rows.view(-1, chunk, m).transpose(-1, -2), u_rows.view(-1, chunk, e))
 
 
 def _coefficient_index(n, chunk, reach, window, device):
@@ -128,7 +133,7 @@ def _sequence_backward(phi_q, phi_k, value, c, reach, chunk, causal, grad_out, n
         q_chunks, k_rows, u_rows, c[:, index], grad_chunks, needs_c
     )
     # Far part, out[k] += q[k] @ far[k] with far the prefix / suffix sums of the chunk states k_s^T u_s.
-    states = torch.bmm(k_rows.view(-1, chunk, m).transpose(-1, -2), u_rows.view(-1, chunk, e)).view(1, 1, -1, m * e)
+    states = _chunk_states(k_rows, u_rows, chunk).view(1, 1, -1, m * e)
     c_after = None if causal else c[:, -1]
     far = _far_sums(states, c[:, 0], c_after, num_chunks, reach)
     grad_q.baddbmm_(grad_chunks, far.view(-1, m, e).transpose(-1, -2))
