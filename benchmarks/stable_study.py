@@ -13,6 +13,10 @@ minutes, every run through `examples/run_clm.py` (one subprocess per run, so eac
   c. Figure 2: standard and normalized softmax attention, each with and without RPE, trained, then switched to
      NPRF (`nprf_hf.set_attention_variant`, weights untouched) at m = 16, 32, 64, 128: test perplexity before and
      after (the standard-without-RPE arm is a.'s softmax run).
+  d. the paper's Table 1 in miniature: a masked LM pre-trained from scratch (`examples/run_mlm.py`, the same
+     size, steps and learning rate as a.) with softmax and with NPRF + RPE, then each fine-tuned on SST-2 and
+     MRPC (`examples/run_glue.py` with the GLUE protocol of `examples/glue_recipes.py`): MLM test perplexity
+     and dev scores.
 
 Data: WikiText-2 `valid.txt` trains, `test.txt` is the reported perplexity; a byte-level BPE vocabulary of
 --vocab-size is trained on the training text first. Sizes (--size): `cpu` (the default: 4 layers, 4 heads,
@@ -20,7 +24,7 @@ hidden 128, FFN 512, blocks of 256 tokens, m = 32) and `gpu` (the paper's WikiTe
 hidden 512, FFN 2048, blocks of 512, m = 64; pass --device-flags for your launcher).
 
     python benchmarks/stable_study.py --parts a c --seeds 0 1 --steps 300      # CPU: about 2 min per run
-    python benchmarks/stable_study.py --size gpu --steps 20000 --parts a b c   # a GPU-sized study
+    python benchmarks/stable_study.py --size gpu --steps 20000 --parts a b c d # a GPU-sized study
 
 Writes OUTPUT/results.json (every run's settings, log summary and perplexities), OUTPUT/results.md (the tables)
 and OUTPUT/{loss_curves,grad_norms,figure2,perplexity_vs_m}.png.
@@ -55,7 +59,10 @@ PART_ARMS = {
     "a": ("softmax", "elu_linear", "prf", "nprf", "nprf+rpe"),
     "b": ("softmax", "elu_linear", "prf", "nprf", "nprf+rpe"),
     "c": ("softmax", "softmax+rpe", "normalized", "normalized+rpe"),
+    "d": ("softmax", "nprf+rpe"),
 }
+GLUE_DIR = os.path.join(os.path.dirname(ROOT), "shared", "data", "glue")
+FINE_TUNE_TASKS = ("sst2", "mrpc")
 SIZES = {
     "cpu": dict(config={"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
                         "intermediate_size": 512, "num_random_features": 32},
@@ -110,6 +117,67 @@ def run_clm(args, name, arm, seed, tokenizer, learning_rate, mixed_precision="no
         raise SystemExit(f"run {name} failed:\n{result.stderr[-4000:]}")
     print(f"  {name}: {time.perf_counter() - start:.0f} s", flush=True)
     return read_run(out)
+
+
+def run_mlm(args, name, arm, seed, tokenizer, learning_rate):
+    """One `examples/run_mlm.py` pre-training run from a fresh config, in its own process; returns its folder and
+    its metrics (MLM perplexity on the test text, and the per-step loss and gradient norm of the Trainer's log)."""
+    out = os.path.join(args.output, "runs", name)
+    if not (os.path.isfile(os.path.join(out, "eval_results.json")) and not args.rerun):
+        size = SIZES[args.size]
+        from transformers import AutoTokenizer
+
+        vocab = len(AutoTokenizer.from_pretrained(tokenizer))
+        config = {"model_type": "nprf_roberta", "vocab_size": vocab, **size["config"], **ARMS[arm],
+                  "max_position_embeddings": size["block_size"] + 2, "pad_token_id": 1, "bos_token_id": 0,
+                  "eos_token_id": 2, "type_vocab_size": 1}
+        os.makedirs(out, exist_ok=True)
+        config_path = os.path.join(out, "fresh_config.json")
+        with open(config_path, "w") as handle:
+            json.dump(config, handle)
+        command = [
+            sys.executable, os.path.join(ROOT, "examples", "run_mlm.py"), "--config_name", config_path,
+            "--tokenizer_name", tokenizer, "--train_file", args.train_file, "--validation_file", args.test_file,
+            "--max_seq_length", str(size["block_size"]), "--do_train", "--do_eval", "--max_steps", str(args.steps),
+            "--per_device_train_batch_size", str(size["batch_size"]), "--learning_rate", str(learning_rate),
+            "--warmup_steps", str(max(args.steps // 20, 1)), "--lr_scheduler_type", "cosine", "--max_grad_norm", "1.0",
+            "--seed", str(seed), "--output_dir", out, "--save_strategy", "no", "--logging_steps", "1",
+            "--report_to", "none", "--disable_tqdm", "true",
+        ]
+        _subprocess(command, name, args.threads)
+    with open(os.path.join(out, "eval_results.json")) as handle:
+        metrics = json.load(handle)
+    with open(os.path.join(out, "trainer_state.json")) as handle:
+        history = [e for e in json.load(handle)["log_history"] if "loss" in e]
+    return {"output_dir": out, "perplexity": metrics["perplexity"], "losses": [e["loss"] for e in history],
+            "grad_norms": [e.get("grad_norm") for e in history]}
+
+
+def fine_tune(args, name, model_dir, task, seed):
+    """`examples/run_glue.py` on one GLUE task from a pre-trained folder, with `glue_recipes`' protocol (`TASKS`,
+    `COMMON`); returns the dev metrics."""
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    from glue_recipes import COMMON, TASKS
+
+    out = os.path.join(args.output, "runs", name)
+    if not (os.path.isfile(os.path.join(out, "eval_results.json")) and not args.rerun):
+        command = [sys.executable, os.path.join(ROOT, "examples", "run_glue.py"), "--model_name_or_path", model_dir,
+                   "--task_name", task, "--glue_dir", args.glue_dir, *COMMON, *TASKS[task][0], "--seed", str(seed),
+                   "--max_seq_length", str(min(128, SIZES[args.size]["block_size"])), "--output_dir", out,
+                   *(["--max_train_samples", str(args.max_fine_tune_samples)] if args.max_fine_tune_samples else [])]
+        _subprocess(command, name, args.threads)
+    with open(os.path.join(out, "eval_results.json")) as handle:
+        metrics = json.load(handle)
+    return {metric: metrics["eval_" + metric] for metric in TASKS[task][1]}
+
+
+def _subprocess(command, name, threads):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+    start = time.perf_counter()
+    result = subprocess.run(command, capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        raise SystemExit(f"run {name} failed:\n{result.stderr[-4000:]}")
+    print(f"  {name}: {time.perf_counter() - start:.0f} s", flush=True)
 
 
 def read_run(out):
@@ -176,6 +244,8 @@ def main(argv=None):
     parser.add_argument("--vocab-size", type=int, default=8000)
     parser.add_argument("--train-file", default=os.path.join(DATA, "valid.txt"))
     parser.add_argument("--test-file", default=os.path.join(DATA, "test.txt"))
+    parser.add_argument("--glue-dir", default=GLUE_DIR, help="glue_data root, for part d")
+    parser.add_argument("--max-fine-tune-samples", type=int, help="part d: at most N training rows per task")
     parser.add_argument("--spike", type=float, default=1.0, help="nats above the minimum that count as not recovered")
     parser.add_argument("--threads", type=int, help="torch threads of each run")
     parser.add_argument("--rerun", action="store_true", help="rerun runs whose results exist")
@@ -185,10 +255,12 @@ def main(argv=None):
     for name in ("train_file", "test_file"):
         if not os.path.isfile(getattr(args, name)):
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: no such file")
+    if "d" in args.parts and not os.path.isdir(args.glue_dir):
+        parser.error(f"--glue-dir {args.glue_dir}: no such folder (part d fine-tunes on its SST-2 and MRPC)")
     os.makedirs(args.output, exist_ok=True)
     size = SIZES[args.size]
     tokenizer = train_tokenizer(args.train_file, args.vocab_size, os.path.join(args.output, "tokenizer"))
-    report = {"settings": {**vars(args), "size_settings": size, "arms": ARMS}, "a": [], "b": [], "c": []}
+    report = {"settings": {**vars(args), "size_settings": size, "arms": ARMS}, "a": [], "b": [], "c": [], "d": []}
     part_arms = {part: [a for a in arms if args.arms is None or a in args.arms] for part, arms in PART_ARMS.items()}
 
     def summary(run, **extra):
@@ -219,6 +291,13 @@ def main(argv=None):
                 swapped = {m: swapped_perplexity(run, tokenizer, args.test_file, size["block_size"], m, seed)
                            for m in SWAP_FEATURES}
                 report["c"].append(summary(run, arm=arm, seed=seed, swapped=swapped))
+    if "d" in args.parts:
+        for arm in part_arms["d"]:
+            for seed in args.seeds:
+                mlm = run_mlm(args, f"d-{arm}-mlm-s{seed}", arm, seed, tokenizer, size["learning_rate"])
+                scores = {task: fine_tune(args, f"d-{arm}-{task}-s{seed}", mlm["output_dir"], task, seed)
+                          for task in FINE_TUNE_TASKS}
+                report["d"].append({"arm": arm, "seed": seed, **mlm, "glue": scores})
     with open(os.path.join(args.output, "results.json"), "w") as handle:
         json.dump(report, handle, indent=1)
     tables = write_tables(report, args)
@@ -255,6 +334,14 @@ def write_tables(report, args):
             lines.append(f"| {r['arm']} | {r['seed']} | {r['perplexity']:.1f} | " + " | ".join(
                 f"{r['swapped'][m]:.1f}" for m in SWAP_FEATURES) + " |")
         lines.append("")
+    if report["d"]:
+        metrics = [(task, metric) for task in FINE_TUNE_TASKS for metric in report["d"][0]["glue"][task]]
+        lines += ["## d. MLM from scratch, then fine-tuned (dev)", "", "| arm | seed | MLM test perplexity | "
+                  + " | ".join(f"{task} {metric}" for task, metric in metrics) + " |", "|---|---|---|" + "---|" * len(metrics)]
+        for r in report["d"]:
+            lines.append(f"| {r['arm']} | {r['seed']} | {r['perplexity']:.1f} | "
+                         + " | ".join(f"{100 * r['glue'][task][metric]:.1f}" for task, metric in metrics) + " |")
+        lines.append("")
     text = "\n".join(lines)
     with open(os.path.join(args.output, "results.md"), "w") as handle:
         handle.write(text)
@@ -268,7 +355,8 @@ def plot(report, output):
     import matplotlib.pyplot as plt
 
     for part, key, name, ylabel in (("a", "losses", "loss_curves", "training loss"),
-                                    ("b", "grad_norms", "grad_norms", "gradient norm (before clipping)")):
+                                    ("b", "grad_norms", "grad_norms", "gradient norm (before clipping)"),
+                                    ("d", "losses", "mlm_loss_curves", "MLM training loss")):
         if not report[part]:
             continue
         figure, axis = plt.subplots(figsize=(7, 4))
