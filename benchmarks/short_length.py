@@ -5,7 +5,9 @@ heads) and each (batch, length) point: a random softmax BERT with SDPA and its N
 weights, `convert_to_nprf`), padded batches (every row a random length between half and all of the
 length, as tokenized GLUE batches are), median time of the forward pass (inference mode) and of a
 training step (forward + backward of the summed outputs), and the ratio NPRF / SDPA. Runs alternate
-between the two models so that drifts of the machine hit both.
+between the two models so that drifts of the machine hit both. Training steps are timed at each --dropout
+(hidden and attention dropout of both models): 0 is SDPA's best case (its fused kernel), 0.1 is what
+fine-tuning a BERT checkpoint gets (SDPA then takes its unfused path; NPRF applies no attention dropout).
 
     python benchmarks/short_length.py --threads 2 --output benchmarks/results/short_length_cpu.json
 """
@@ -55,7 +57,7 @@ def step(model, inputs, train):
 def time_pair(models, inputs, train, repeats):
     """Median seconds of each model, runs alternating (one warm-up each first)."""
     for model in models.values():
-        model.train(train)  # dropout off below, so train mode changes only what autograd keeps
+        model.train(train)
         step(model, inputs, train)
     times = {name: [] for name in models}
     for _ in range(repeats):
@@ -75,6 +77,8 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per model and point (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default: %(default)s)")
     parser.add_argument("--features", type=int, default=64, help="NPRF random features m (default: %(default)s)")
+    parser.add_argument("--dropout", nargs="+", type=float, default=[0.0, 0.1],
+                        help="dropout probabilities of the training steps (default: %(default)s)")
     parser.add_argument("--output", default=DEFAULT_OUTPUT, help="JSON path (default: a scratch file under runs/)")
     args = parser.parse_args(argv)
     try:
@@ -85,6 +89,8 @@ def main(argv=None):
         parser.error(f"--points takes BxN pairs of positive integers, got {args.points}")
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    if any(not 0 <= p < 1 for p in args.dropout):
+        parser.error(f"--dropout takes probabilities in [0, 1), got {args.dropout}")
     torch.set_num_threads(args.threads)
     from transformers import BertConfig, BertModel
 
@@ -100,19 +106,24 @@ def main(argv=None):
         for batch, length in points:
             input_ids, attention_mask = padded_batch(batch, length, config.vocab_size)
             inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
-            forward = time_pair(models, inputs, train=False, repeats=args.repeats)
-            training = time_pair(models, inputs, train=True, repeats=args.repeats)
-            row = {
-                "size": size, "batch": batch, "length": length,
-                "forward_s": forward, "train_step_s": training,
-                "forward_nprf_over_sdpa": forward["nprf"] / forward["sdpa"],
-                "train_step_nprf_over_sdpa": training["nprf"] / training["sdpa"],
-            }
-            rows.append(row)
-            print(f"{size:<13} B={batch:<3} n={length:<5} forward sdpa {1e3 * forward['sdpa']:8.1f} ms  nprf "
-                  f"{1e3 * forward['nprf']:8.1f} ms  ratio {row['forward_nprf_over_sdpa']:.2f}   train step sdpa "
-                  f"{1e3 * training['sdpa']:8.1f} ms  nprf {1e3 * training['nprf']:8.1f} ms  ratio "
-                  f"{row['train_step_nprf_over_sdpa']:.2f}", flush=True)
+            forward = time_pair(models, inputs, train=False, repeats=args.repeats)  # eval mode: no dropout
+            for probability in args.dropout:
+                for model in models.values():
+                    for module in model.modules():
+                        if isinstance(module, torch.nn.Dropout):
+                            module.p = probability
+                training = time_pair(models, inputs, train=True, repeats=args.repeats)
+                row = {
+                    "size": size, "batch": batch, "length": length, "dropout": probability,
+                    "forward_s": forward, "train_step_s": training,
+                    "forward_nprf_over_sdpa": forward["nprf"] / forward["sdpa"],
+                    "train_step_nprf_over_sdpa": training["nprf"] / training["sdpa"],
+                }
+                rows.append(row)
+                print(f"{size:<13} B={batch:<3} n={length:<5} forward sdpa {1e3 * forward['sdpa']:8.1f} ms  nprf "
+                      f"{1e3 * forward['nprf']:8.1f} ms  ratio {row['forward_nprf_over_sdpa']:.2f}   train step "
+                      f"(dropout {probability}) sdpa {1e3 * training['sdpa']:8.1f} ms  nprf {1e3 * training['nprf']:8.1f}"
+                      f" ms  ratio {row['train_step_nprf_over_sdpa']:.2f}", flush=True)
     result = {
         "settings": {**vars(args), "torch": torch.__version__, "machine": platform.processor() or platform.machine()},
         "rows": rows,

@@ -26,7 +26,13 @@ from torch.utils.checkpoint import checkpoint
 
 from .nprf_banded import banded_chunking, banded_toeplitz_attention, banded_window
 from .nprf_banded_recompute import banded_attention_recomputed
-from .nprf_dense import dense_toeplitz_attention, dense_toeplitz_inference, exact_kernel, key_lengths
+from .nprf_dense import (
+    dense_toeplitz_attention,
+    dense_toeplitz_inference,
+    dense_toeplitz_training,
+    exact_kernel,
+    key_lengths,
+)
 from .nprf_features import (  # noqa: F401  (draw_projection, positive_random_features, normalize_attention)
     compute_dtype,
     draw_projection,
@@ -52,13 +58,15 @@ from .nprf_terms import AttentionTerms
 from .options import ALGORITHMS, ATTENTION_VARIANTS, QUADRATIC_VARIANTS
 
 
-# `auto` crossovers, measured on the 2-core CPU (B=1, H=12, d=64, m=64, forward and forward+backward):
-# with a band, dense beats banded up to about the banded window's cost (about 334 tokens for T5's
-# default buckets: at 320 they tie, at 384 banded is 1.2x / 1.4x faster forward / forward+backward,
-# at 512 2.6x / 1.8x); without a band (a bias learned per distance),
+# `auto` crossovers, measured on the 2-core CPU. Under autograd the eager dense product runs in cache and
+# rebuilds its weights in backward (`dense_toeplitz_training`): forward + backward on padded batches (B=8, H=12,
+# m=64, T5's default buckets: a window of 314 / 334 at d = 32 / 64, one thread) it takes 0.62x / 0.68x of
+# banded's time at 384 tokens, 0.94x / 0.90x at 512, 1.19x / 1.07x at 768: they cross at about 1.7 windows
+# (with the weights kept by autograd they crossed at one window). Without a band (a bias learned per distance),
 # fft only beats dense from about 8192 tokens (dense at 2048: 0.46 s vs fft 1.95 s forward, one
 # thread), where dense's n x n weights also stop fitting in memory.
-AUTO_DENSE_FACTOR = 1.0
+AUTO_DENSE_FACTOR = 1.7
+AUTO_DENSE_FACTOR_COMPILED = 1.0  # torch.compile traces the plain autograd product, which keeps its weights
 # Without autograd the dense product runs in cache and skips padded keys (`dense_toeplitz_inference`): on padded
 # batches (B=8, H=12, m=64, T5's default buckets: a window of 334) it takes 0.93x (d=32) / 0.89x (d=64) of banded's
 # time at 512 tokens, 1.8x / 1.6x at 768: they cross at about 540 tokens, 1.6 windows.
@@ -204,15 +212,20 @@ def _nprf_attention(query, key, value, bias, projection, key_padding_mask, terms
         t is not None and t.requires_grad
         for t in (query, key, value, c, projection, logit_scale, *terms.tensors(inside_product=True))
     )
+    # Eager dense runs in cache (a few heads at a time; training rebuilds the n x n weights in backward instead of
+    # keeping them) and skips the keys after each sequence's last kept one: `lengths`, a host sync.
     lengths = None
-    if algorithm == "dense" and inference and not torch.compiler.is_compiling():
+    if algorithm == "dense" and not torch.compiler.is_compiling():
         lengths = key_lengths(mask, batch, n)
-    phi_q, phi_k = query_key_features(query, key, projection, mask, dtype, logit_scale, lengths is not None, variant)
+    in_cache_inference = lengths is not None and inference
+    phi_q, phi_k = query_key_features(query, key, projection, mask, dtype, logit_scale, in_cache_inference, variant)
     u = None if algorithm == "banded" or lengths is not None else values_and_ones(value)
 
     def toeplitz_product(keys):
-        if lengths is not None:
+        if in_cache_inference:
             return dense_toeplitz_inference(phi_q, keys, value, c, lengths)
+        if lengths is not None:
+            return dense_toeplitz_training(phi_q, keys, value, c, lengths)
         if algorithm == "dense":
             return dense_toeplitz_attention(phi_q, keys, u, c)
         if algorithm == "fft":
@@ -279,8 +292,8 @@ def _check_variant(variant, algorithm):
 
 
 def _resolve_algorithm(algorithm, bias, n, band_width, m, e, inference=False):
-    """Pick the algorithm for `auto` (`inference`: no autograd, which favours dense longer) and the band width
-    for `banded`."""
+    """Pick the algorithm for `auto` (`inference`: no autograd, whose dense-banded crossover is measured apart) and
+    the band width for `banded`."""
     tied = band_width is not None
     if tied and algorithm in ("auto", "banded") and not torch.compiler.is_compiling():
         inferred = infer_band_width(bias.detach(), n)  # a host sync: checked in eager mode only
@@ -302,7 +315,10 @@ def _resolve_algorithm(algorithm, bias, n, band_width, m, e, inference=False):
     reach, chunk = banded_chunking(band_width)
     has_band = (2 * reach + 1) * chunk < n
     if has_band:
-        factor = AUTO_DENSE_FACTOR_INFERENCE if inference else AUTO_DENSE_FACTOR
+        if inference:
+            factor = AUTO_DENSE_FACTOR_INFERENCE
+        else:
+            factor = AUTO_DENSE_FACTOR_COMPILED if torch.compiler.is_compiling() else AUTO_DENSE_FACTOR
         return ("dense" if n <= factor * banded_window(band_width, m, e) else "banded"), band_width
     return ("fft" if n >= AUTO_FFT_MIN_LENGTH else "dense"), band_width
 

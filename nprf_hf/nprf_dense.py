@@ -1,16 +1,19 @@
 # coding=utf-8
 """The dense algorithm: the n x n weights kappa(q_i, k_j) c_{j-i}, then one matmul. O(n^2 (m + e)); the fastest
-below about 1.6 banded windows (`functional.AUTO_DENSE_FACTOR*`) and the only one for the quadratic variants,
+below about 1.6-1.7 banded windows (`functional.AUTO_DENSE_FACTOR*`) and the only one for the quadratic variants,
 whose exact kernels (`exact_kernel`) do not factor into features.
 
 Products take phi_q, phi_k [B, H, n, m] (padded keys zeroed), u [B, H, n, e] and c [H, 2n - 1] and return
-sum_j c_{j-i} (phi_q_i . phi_k_j) u_j: [B, H, n, e]. Two execution modes side by side: autograd
-(`dense_toeplitz_attention`) and inference in cache (`dense_toeplitz_inference`).
+sum_j c_{j-i} (phi_q_i . phi_k_j) u_j: [B, H, n, e]. Three execution modes side by side: plain autograd
+(`dense_toeplitz_attention`, the reference, and what torch.compile traces), training in cache
+(`dense_toeplitz_training`: the n x n weights are never kept, a few heads at a time are rebuilt in backward) and
+inference in cache (`dense_toeplitz_inference`).
 """
 
 import math
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .nprf_features import NORM_EPS, row_norms
 from .nprf_positions import toeplitz_matrix
@@ -51,6 +54,97 @@ def dense_toeplitz_inference(phi_q, phi_k, value, c, key_lengths):
             out[b, first:last, :, :d] = torch.matmul(weights, value[b, first:last, :length], out=numerator[: last - first])
             torch.sum(weights, dim=-1, keepdim=True, out=out[b, first:last, :, d:])
     return out
+
+
+def dense_toeplitz_training(phi_q, phi_k, value, c, key_lengths):
+    """`dense_toeplitz_attention` for autograd, from the values [B, H, n, d_v] as `dense_toeplitz_inference` (the
+    denominators are the weights' row sums), without its two [B, H, n, n] tensors (phi_q phi_k^T and the weights)
+    kept from forward to backward: forward and backward run a few heads of one sequence at a time, so that their
+    n x n weights stay in cache, and backward rebuilds them (one more n x n x m matmul) from the kept inputs.
+    The keys of sequence b from `key_lengths[b]` on are skipped (they must be zero: padding), and their gradient
+    is returned as zero: the features of padded keys are the mask times the feature map, so it reaches nothing.
+    Returns [B, H, n, d_v + 1]."""
+    return _DenseToeplitzProduct.apply(phi_q, phi_k, value, c, tuple(key_lengths))
+
+
+def _head_group(heads, n, element_size, buffers):
+    """Heads per group: `buffers` n x n tensors of a group fit in DENSE_GROUP_BYTES."""
+    return max(1, min(heads, DENSE_GROUP_BYTES // (buffers * n * n * element_size)))
+
+
+class _DenseToeplitzProduct(torch.autograd.Function):
+    """[sum_j w_ij v_j | sum_j w_ij] with w_ij = c_{j-i} (phi_q_i . phi_k_j), see `dense_toeplitz_training`."""
+
+    @staticmethod
+    def forward(ctx, phi_q, phi_k, value, c, lengths):
+        batch, heads, n, _ = phi_q.shape
+        d = value.shape[-1]
+        toeplitz = toeplitz_matrix(c, n)
+        group = _head_group(heads, n, phi_q.element_size(), 1)
+        buffer = phi_q.new_empty(group * n * n)
+        out = phi_q.new_empty(batch, heads, n, d + 1)
+        for b, length in enumerate(lengths):
+            if length == 0:
+                out[b].zero_()
+                continue
+            for first in range(0, heads, group):
+                last = min(first + group, heads)
+                weights = buffer[: (last - first) * n * length].view(last - first, n, length)
+                torch.matmul(phi_q[b, first:last], phi_k[b, first:last, :length].transpose(-1, -2), out=weights)
+                weights.mul_(toeplitz[first:last, :, :length])
+                torch.matmul(weights, value[b, first:last, :length], out=out[b, first:last, :, :d])
+                torch.sum(weights, dim=-1, keepdim=True, out=out[b, first:last, :, d:])
+        ctx.save_for_backward(phi_q, phi_k, value, c)
+        ctx.lengths = lengths
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        phi_q, phi_k, value, c = ctx.saved_tensors
+        batch, heads, n, _ = phi_q.shape
+        d = value.shape[-1]
+        need_q, need_k, need_v, need_c = ctx.needs_input_grad[:4]
+        toeplitz = toeplitz_matrix(c, n)
+        grad_numerator = grad_out[..., :d].contiguous()
+        grad_denominator = grad_out[..., d:].contiguous()
+        grad_q = torch.zeros_like(phi_q) if need_q else None
+        grad_k = torch.zeros_like(phi_k) if need_k else None
+        grad_v = torch.zeros_like(value) if need_v else None
+        grad_toeplitz = phi_q.new_zeros(heads, n, n) if need_c else None
+        group = _head_group(heads, n, phi_q.element_size(), 2)
+        products = phi_q.new_empty(group * n * n)
+        weights_buffer = phi_q.new_empty(group * n * n)
+        for b, length in enumerate(ctx.lengths):
+            if length == 0:
+                continue
+            for first in range(0, heads, group):
+                last = min(first + group, heads)
+                heads_ = slice(first, last)
+                q, k, v = phi_q[b, heads_], phi_k[b, heads_, :length], value[b, heads_, :length]
+                g = grad_numerator[b, heads_]
+                scale = toeplitz[heads_, :, :length]
+                product = products[: (last - first) * n * length].view(last - first, n, length)
+                grad_weights = weights_buffer[: (last - first) * n * length].view(last - first, n, length)
+                torch.matmul(q, k.transpose(-1, -2), out=product)
+                if need_v:  # dL/dv_j = sum_i w_ij dL/dnumerator_i
+                    torch.mul(product, scale, out=grad_weights)
+                    torch.matmul(grad_weights.transpose(-1, -2), g, out=grad_v[b, heads_, :length])
+                # dL/dw_ij = dL/dnumerator_i . v_j + dL/ddenominator_i
+                torch.baddbmm(grad_denominator[b, heads_], g, v.transpose(-1, -2), out=grad_weights)
+                if need_c:  # dL/dC_ij = dL/dw_ij (phi_q_i . phi_k_j), summed over the batch
+                    grad_toeplitz[heads_, :, :length].addcmul_(grad_weights, product)
+                grad_weights.mul_(scale)  # dL/d(phi_q_i . phi_k_j)
+                if need_q:
+                    torch.matmul(grad_weights, k, out=grad_q[b, heads_])
+                if need_k:
+                    torch.matmul(grad_weights.transpose(-1, -2), q, out=grad_k[b, heads_, :length])
+        grad_c = None
+        if need_c:  # C_ij = c_{j-i}: each coefficient gets the sum of its diagonal
+            positions = torch.arange(n, device=c.device)
+            index = (positions[None, :] - positions[:, None] + n - 1).reshape(1, -1).expand(heads, -1)
+            grad_c = torch.zeros_like(c).scatter_add_(1, index, grad_toeplitz.reshape(heads, -1))
+        return grad_q, grad_k, grad_v, grad_c, None
 
 
 def key_lengths(mask, batch, n):

@@ -239,16 +239,17 @@ def test_short_length_benchmark_times_both_models_and_reports_ratios(tmp_path, c
     output = tmp_path / "short.json"
     result = short_length.main(["--sizes", "minilm", "--points", "3x24", "--repeats", "1", "--threads", "1",
                                 "--output", str(output)])
-    (row,) = result["rows"]
-    assert (row["size"], row["batch"], row["length"]) == ("minilm", 3, 24)
-    for kind in ("forward", "train_step"):
-        times = row[f"{kind}_s"]
-        assert set(times) == {"sdpa", "nprf"} and min(times.values()) > 0
-        assert row[f"{kind}_nprf_over_sdpa"] == pytest.approx(times["nprf"] / times["sdpa"])
+    assert [row["dropout"] for row in result["rows"]] == [0.0, 0.1]  # both training regimes by default
+    for row in result["rows"]:
+        assert (row["size"], row["batch"], row["length"]) == ("minilm", 3, 24)
+        for kind in ("forward", "train_step"):
+            times = row[f"{kind}_s"]
+            assert set(times) == {"sdpa", "nprf"} and min(times.values()) > 0
+            assert row[f"{kind}_nprf_over_sdpa"] == pytest.approx(times["nprf"] / times["sdpa"])
     assert json.loads(output.read_text())["rows"] == result["rows"]
     assert "ratio" in capsys.readouterr().out
     input_ids, mask = short_length.padded_batch(4, 10, 50)
     assert mask[0].all() and (mask.sum(1) >= 5).all() and (input_ids[mask == 0] == 0).all()
-    for bad in (["--points", "32by128"], ["--points", "0x128"], ["--repeats", "0"]):
+    for bad in (["--points", "32by128"], ["--points", "0x128"], ["--repeats", "0"], ["--dropout", "1.5"]):
         with pytest.raises(SystemExit):
             short_length.main(bad)

@@ -7,7 +7,7 @@ import torch
 from transformers.models.t5.modeling_t5 import T5Attention
 
 from nprf_hf import functional as Fn
-from nprf_hf import nprf_banded, nprf_fft
+from nprf_hf import nprf_banded, nprf_dense, nprf_fft
 from nprf_hf.nprf_naive import naive_attention
 
 
@@ -564,6 +564,42 @@ def test_dense_inference_product_matches_reference_with_any_mask(n):
     torch.testing.assert_close(out, with_grad.detach(), rtol=1e-12, atol=1e-13)
 
 
+@pytest.mark.parametrize("n", [37, 400])
+@pytest.mark.parametrize("trained", ["all", "values only", "bias only"])
+def test_dense_training_product_matches_autograd_and_keeps_no_weights(n, trained):
+    """Under autograd the eager dense product runs a few heads at a time and rebuilds the n x n weights in
+    backward: values and the gradients of whatever requires grad equal the plain autograd formula's (float64,
+    padded keys, a sequence with no key), and no [B, H, n, n] tensor is kept from forward to backward."""
+    batch, heads, m, d = 4, 3, 6, 5
+    generator = torch.Generator().manual_seed(n)
+    mask = torch.ones(batch, n, dtype=torch.float64)
+    mask[1, n // 2 :] = 0.0
+    mask[2] = 0.0
+    mask[3, 3::5] = 0.0  # holes: keys before the last kept one stay in the product
+    need = {"all": (True, True, True, True), "values only": (False, False, True, False),
+            "bias only": (False, False, False, True)}[trained]
+    phi_q, raw_k = (torch.rand(batch, heads, n, m, generator=generator, dtype=torch.float64) for _ in range(2))
+    value = torch.randn(batch, heads, n, d, generator=generator, dtype=torch.float64)
+    c = torch.rand(heads, 2 * n - 1, generator=generator, dtype=torch.float64)
+    leaves = [t.requires_grad_(flag) for t, flag in zip((phi_q, raw_k, value, c), need)]
+    weights = torch.randn(batch, heads, n, d + 1, generator=generator, dtype=torch.float64)
+    lengths = nprf_dense.key_lengths(mask, batch, n)
+    assert lengths[:3] == [n, n // 2, 0]
+    wanted = [t for t, flag in zip(leaves, need) if flag]
+
+    def keys():
+        return raw_k * mask[:, None, :, None]
+
+    ref = nprf_dense.dense_toeplitz_attention(phi_q, keys(), Fn.values_and_ones(value), c)
+    ref_grads = torch.autograd.grad((ref * weights).sum(), wanted)
+    out, held = _held_bytes(lambda: nprf_dense.dense_toeplitz_training(phi_q, keys(), value, c, lengths), *leaves)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-13)
+    assert (out[2] == 0).all()
+    assert held < batch * heads * n * n * 8 / 2, held  # the inputs it needs, not the weights
+    for got, want in zip(torch.autograd.grad((out * weights).sum(), wanted), ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
 def _held_bytes(function, *inputs):
     """Bytes of the tensors autograd saves for backward while `function()` runs, counted once per storage,
     leaving out the storages of `inputs` and of the result (alive anyway: the models' output projection keeps
@@ -616,7 +652,8 @@ def test_recompute_gives_the_same_values_and_gradients_and_keeps_no_features(alg
 @pytest.mark.parametrize("threshold", ["below", "above"])
 def test_recompute_auto_is_for_the_long_input_algorithms(threshold, monkeypatch):
     """recompute=None (the default): the banded and fft products recompute in backward once the features take
-    RECOMPUTE_MIN_BYTES, dense keeps its weights; smaller inputs keep everything."""
+    RECOMPUTE_MIN_BYTES, dense keeps its features (it rebuilds only its n x n weights); smaller inputs keep
+    everything."""
     batch, heads, n, d, m = 1, 2, 700, 8, 32
     feature_bytes = batch * heads * n * m * 8
     monkeypatch.setattr(Fn, "RECOMPUTE_MIN_BYTES", feature_bytes if threshold == "below" else feature_bytes + 1)
@@ -632,10 +669,10 @@ def test_recompute_auto_is_for_the_long_input_algorithms(threshold, monkeypatch)
         assert (held < feature_bytes / 4) == recomputes, (algorithm, held)
 
 
-def test_auto_keeps_dense_longer_without_autograd():
-    """The dense inference product (in cache, padded keys skipped) beats banded up to about 1.6 banded windows
-    (T5's default buckets: a window of 334; measured: 512 tokens dense, 768 banded); with autograd the crossover
-    stays at one window."""
+def test_auto_keeps_dense_to_about_1_6_windows():
+    """The dense products in cache (padded keys skipped; in training the weights rebuilt in backward) beat banded
+    up to about 1.6 banded windows without autograd and 1.7 with it (T5's default buckets: a window of 334;
+    measured: 512 tokens dense, 768 banded, either way)."""
     heads, width = 12, Fn.rpe_band_width()
     picks = {}
     for n in (384, 512, 768):
@@ -643,6 +680,6 @@ def test_auto_keeps_dense_longer_without_autograd():
         for inference in (False, True):
             picks[n, inference] = Fn._resolve_algorithm("auto", bias, n, width, 64, 65, inference=inference)[0]
     assert picks == {
-        (384, False): "banded", (384, True): "dense", (512, False): "banded", (512, True): "dense",
+        (384, False): "dense", (384, True): "dense", (512, False): "dense", (512, True): "dense",
         (768, False): "banded", (768, True): "banded",
     }
