@@ -20,6 +20,10 @@ Recipes (`RECIPES`):
 - nprf+scale8+segment+match+transfer: plus a learned weight for the same word in the other sentence.
 - hedgehog: protocol (b), as in Hedgehog: the *fine-tuned softmax* model of the same task and seed
   is converted (scale8), transferred on the task's texts, then fine-tuned for one epoch.
+- normalized-then-nprf, scale8+normalized-then-nprf: converted with the exact kernel NPRF estimates (softmax of
+  normalized q . k with the RPE bias, `attention_variant="normalized_softmax"`; quadratic, fine at these
+  lengths), fine-tuned so, then switched to NPRF with no further training (`--final_attention_variant nprf`;
+  `before_switch_*` holds the exact kernel's dev scores): the paper's Figure 2 as a conversion route.
 
     python examples/glue_recipes.py --model_name_or_path $MINILM --tasks mrpc --recipes softmax nprf \
         --seeds 42 --output_dir runs/glue_recipes
@@ -77,6 +81,10 @@ RECIPES = {
         "transfer": "task",
     },
     "hedgehog": {"nprf": {"logit_scale_max": 8.0}, "transfer": "task", "source": "softmax", "epochs": 1},
+    # issue 22's Figure-2 route: fine-tuned with the exact kernel NPRF estimates, then switched to NPRF
+    "normalized-then-nprf": {"nprf": {"attention_variant": "normalized_softmax"}, "final": "nprf"},
+    "scale8+normalized-then-nprf": {"nprf": {"logit_scale_max": 8.0, "attention_variant": "normalized_softmax"},
+                                "final": "nprf"},
 }
 
 
@@ -93,6 +101,8 @@ def recipe_arguments(recipe, transfer_steps):
         extra += ["--attention_transfer_text", os.path.join(DATA, "wikitext-2", "valid.txt")]
     if spec.get("epochs"):
         extra += ["--num_train_epochs", str(spec["epochs"])]
+    if spec.get("final"):
+        extra += ["--final_attention_variant", spec["final"]]
     return extra
 
 

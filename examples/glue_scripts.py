@@ -73,6 +73,18 @@ def check_conversion_flags(args):
             raise UsageError(f"--{name} is only used with --convert_to_nprf")
 
 
+def check_final_attention_variant(model, variant):
+    """A UsageError unless `model` is an NPRF model and `variant` one of its attention variants
+    (`--final_attention_variant`)."""
+    from nprf_hf.options import ATTENTION_VARIANTS
+
+    if not model.config.model_type.startswith("nprf_"):
+        raise UsageError(f"--final_attention_variant switches an NPRF model's attention; {model.config.model_type} "
+                         "is not one: add --convert_to_nprf")
+    if variant not in ATTENTION_VARIANTS:
+        raise UsageError(f"--final_attention_variant must be one of {', '.join(ATTENTION_VARIANTS)}, got {variant!r}")
+
+
 def quiet_unless_main(main_process):
     """On every process but the main one: no INFO logs from nprf_hf (conversion report, transfer report) and no
     datasets / transformers progress bars, so a multi-process run (accelerate launch, torchrun) prints each of them once."""

@@ -127,6 +127,15 @@ class ModelArguments:
         default=None,
         metadata={"help": "Texts for the transfer: a plain text file or a GLUE task folder (default: the task's training texts)."},
     )
+    final_attention_variant: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "NPRF models: after training, switch the attention to this variant (nprf_hf.set_attention_variant, "
+            "weights untouched) and evaluate and save it so; the dev scores before the switch are reported as "
+            "before_switch_*. E.g. fine-tune with the exact kernel NPRF estimates (--nprf_config "
+            '\'{"attention_variant": "normalized_softmax"}\'), then run NPRF: the paper\'s Figure 2 as a recipe.'
+        },
+    )
 
 
 # the transfer's own options, declared once in nprf_hf.options, as fields of ModelArguments
@@ -287,6 +296,9 @@ def main(argv=None):
         pad_to_multiple_of = 8 if (training_args.fp16 or training_args.bf16) else None
         data_collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to_multiple_of)
 
+    if model_args.final_attention_variant is not None:
+        glue_scripts.check_final_attention_variant(model, model_args.final_attention_variant)
+
     # The transformers 5 Trainer takes a forward(**kwargs) to consume `num_items_in_batch`: it then
     # multiplies the loss by the number of processes and skips the division by the accumulation
     # steps. Sequence-classification heads return a per-batch mean, so turn that off.
@@ -318,9 +330,21 @@ def main(argv=None):
         trainer.save_metrics("train", metrics)
         trainer.save_state()
 
+    combined = {}
+    if model_args.final_attention_variant is not None:
+        if training_args.do_eval:  # the trained variant's scores, for the cost of the switch
+            for split in info.eval_splits:
+                metrics = trainer.evaluate(eval_dataset=datasets[split], metric_key_prefix="before_switch")
+                combined.update({k + glue.metric_suffix(split): v for k, v in metrics.items()})
+        import nprf_hf
+
+        nprf_hf.set_attention_variant(model, model_args.final_attention_variant)
+        logger.info("Attention switched to %s", model_args.final_attention_variant)
+        if training_args.do_train:
+            trainer.save_model()
+
     if training_args.do_eval:
         logger.info("*** Evaluate ***")
-        combined = {}
         for split in info.eval_splits:
             metrics = trainer.evaluate(eval_dataset=datasets[split])
             metrics["eval_samples"] = len(datasets[split])

@@ -221,6 +221,32 @@ def test_run_glue_convert_to_nprf(tiny_model, tmp_path):
 
 
 @needs_data
+def test_run_glue_trains_normalized_then_switches_to_nprf(tiny_model, tmp_path):
+    """--final_attention_variant: fine-tuned with the exact normalized kernel, then switched to NPRF
+    (`set_attention_variant`, whose weights are tested in test_variants); the dev scores of both are reported and
+    the saved model is the NPRF one."""
+    out = tmp_path / "out"
+    results = run_glue.main([
+        "--model_name_or_path", tiny_model, "--convert_to_nprf",
+        "--nprf_config", '{"num_random_features": 16, "attention_variant": "normalized_softmax"}',
+        "--final_attention_variant", "nprf", "--task_name", "sst2", "--glue_dir", DATA, "--do_train", "--do_eval",
+        "--max_train_samples", "16", "--max_eval_samples", "8", "--output_dir", str(out), "--save_strategy", "no",
+    ])
+    assert read_json(out / "config.json")["attention_variant"] == "nprf"
+    assert 0 <= results["before_switch_accuracy"] <= 1 and 0 <= results["eval_accuracy"] <= 1
+    assert results["before_switch_loss"] != results["eval_loss"]  # another attention: other logits
+    expected, _ = recomputed_metrics(str(out), "sst2", 8)  # the saved model is the switched one
+    assert results["eval_accuracy"] == pytest.approx(expected["accuracy"])
+    for bad, message in (
+        (["--final_attention_variant", "nprf"], "is not one: add --convert_to_nprf"),
+        (["--convert_to_nprf", "--final_attention_variant", "exact"], "must be one of"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            run_glue.main(["--model_name_or_path", tiny_model, *bad, "--task_name", "sst2", "--glue_dir", DATA,
+                           "--do_eval", "--max_eval_samples", "8", "--output_dir", str(tmp_path / "x")])
+
+
+@needs_data
 @pytest.mark.parametrize("script", ["trainer", "no_trainer"])
 def test_rpe_learning_rate(tiny_model, tmp_path, script):
     """--rpe_learning_rate trains the (zero-initialised) RPE table at its own rate in both scripts."""
