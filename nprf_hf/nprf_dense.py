@@ -38,7 +38,7 @@ def dense_toeplitz_inference(phi_q, phi_k, value, c, key_lengths):
     batch, heads, n, _ = phi_q.shape
     d = value.shape[-1]
     toeplitz = toeplitz_matrix(c, n)
-    group = max(1, min(heads, DENSE_GROUP_BYTES // (n * n * phi_q.element_size())))
+    group = _head_group(heads, n, phi_q.element_size(), 1)
     weights_buffer = phi_q.new_empty(group * n * n)
     numerator = phi_q.new_empty(group, n, d)
     out = phi_q.new_empty(batch, heads, n, d + 1)
@@ -77,26 +77,9 @@ class _DenseToeplitzProduct(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, phi_q, phi_k, value, c, lengths):
-        batch, heads, n, _ = phi_q.shape
-        d = value.shape[-1]
-        toeplitz = toeplitz_matrix(c, n)
-        group = _head_group(heads, n, phi_q.element_size(), 1)
-        buffer = phi_q.new_empty(group * n * n)
-        out = phi_q.new_empty(batch, heads, n, d + 1)
-        for b, length in enumerate(lengths):
-            if length == 0:
-                out[b].zero_()
-                continue
-            for first in range(0, heads, group):
-                last = min(first + group, heads)
-                weights = buffer[: (last - first) * n * length].view(last - first, n, length)
-                torch.matmul(phi_q[b, first:last], phi_k[b, first:last, :length].transpose(-1, -2), out=weights)
-                weights.mul_(toeplitz[first:last, :, :length])
-                torch.matmul(weights, value[b, first:last, :length], out=out[b, first:last, :, :d])
-                torch.sum(weights, dim=-1, keepdim=True, out=out[b, first:last, :, d:])
         ctx.save_for_backward(phi_q, phi_k, value, c)
         ctx.lengths = lengths
-        return out
+        return dense_toeplitz_inference(phi_q, phi_k, value, c, lengths)
 
     @staticmethod
     @once_differentiable
