@@ -26,13 +26,8 @@ from torch.utils.checkpoint import checkpoint
 
 from .nprf_banded import banded_chunking, banded_toeplitz_attention, banded_window
 from .nprf_banded_recompute import banded_attention_recomputed
-from .nprf_dense import (
-    dense_toeplitz_attention,
-    dense_toeplitz_inference,
-    dense_toeplitz_training,
-    exact_kernel,
-    key_lengths,
-)
+from .nprf_dense import dense_toeplitz_attention, dense_toeplitz_inference, dense_toeplitz_training, exact_kernel
+from .nprf_dense import key_lengths
 from .nprf_features import (  # noqa: F401  (draw_projection, positive_random_features, normalize_attention)
     compute_dtype,
     draw_projection,
@@ -315,10 +310,8 @@ def _resolve_algorithm(algorithm, bias, n, band_width, m, e, inference=False):
     reach, chunk = banded_chunking(band_width)
     has_band = (2 * reach + 1) * chunk < n
     if has_band:
-        if inference:
-            factor = AUTO_DENSE_FACTOR_INFERENCE
-        else:
-            factor = AUTO_DENSE_FACTOR_COMPILED if torch.compiler.is_compiling() else AUTO_DENSE_FACTOR
+        factor = AUTO_DENSE_FACTOR_COMPILED if torch.compiler.is_compiling() else AUTO_DENSE_FACTOR
+        factor = AUTO_DENSE_FACTOR_INFERENCE if inference else factor
         return ("dense" if n <= factor * banded_window(band_width, m, e) else "banded"), band_width
     return ("fft" if n >= AUTO_FFT_MIN_LENGTH else "dense"), band_width
 
