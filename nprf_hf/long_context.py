@@ -16,12 +16,16 @@ the last hidden states over real tokens, L2-normalized.
            + mean(1 - cos(student(passage), teacher(passage)))                        # short: stays faithful
            + mean(1 - cos(student(text), teacher(text)))                              # short texts
            + contrastive_weight * InfoNCE(student(passage) -> student(document))     # passage/document pairs
+           + token_weight * mean_t(1 - cos(student_t(document), teacher_t(its window)))  # every token's state
 
   on random spans of unlabeled long text (documents of `document_length` tokens, `passages_per_document`
   passages of `passage_length` tokens cut out of each); the InfoNCE term uses the other documents of the
   batch as negatives (temperature `temperature`). Only the parameters of `train` change (`LONG_CONTEXT_TRAIN`):
   "attention" = what attention transfer trains (query/key projections, RPE tables, logit scales);
   "encoder" = every parameter of the layer stack (embeddings and heads stay bit-identical).
+  The token term compares each token's last hidden state in the whole document with the teacher's state of the
+  same token inside its chunk-and-pool window (`chunk_token_states`): one target per token instead of one per
+  document, the signal attention transfer uses, here at the length the student will run at.
 """
 
 import time
@@ -108,6 +112,38 @@ def chunk_and_pool(model, tokenizer, documents: Sequence[Sequence[int]], window:
         counts = torch.tensor([len(p) for p in parts], dtype=vectors.dtype, device=vectors.device)
         pooled.append(F.normalize((vectors * counts[:, None]).sum(0), dim=-1))
     return torch.stack(pooled)
+
+
+def chunk_token_states(model, tokenizer, ids: Sequence[int], window: int, overlap: int = 0,
+                       max_windows_per_batch: int = 16) -> torch.Tensor:
+    """[n, h] last hidden state of each content token of one document as `model` sees it inside its
+    chunk-and-pool window; with overlap, from the window where the token lies farthest from an edge."""
+    parts = windows(ids, window, overlap)
+    states, farthest, start = None, None, 0
+    for first in range(0, len(parts), max_windows_per_batch):
+        batch = parts[first : first + max_windows_per_batch]
+        input_ids, attention_mask = _batch(tokenizer, batch, next(model.parameters()).device)
+        mask = None if bool(attention_mask.all()) else attention_mask
+        hidden = model.base_model(input_ids=input_ids, attention_mask=mask).last_hidden_state
+        if states is None:
+            states = hidden.new_zeros(len(ids), hidden.shape[-1])
+            farthest = torch.full((len(ids),), -1, dtype=torch.long, device=hidden.device)
+        for index, part in enumerate(batch):
+            position = torch.arange(start, start + len(part), device=hidden.device)
+            local = position - start
+            margin = torch.minimum(local, len(part) - 1 - local)
+            take = margin > farthest[position]
+            states[position[take]] = hidden[index, 1 : 1 + len(part)][take]
+            farthest[position[take]] = margin[take]
+            start += len(part) - overlap
+    return states
+
+
+def document_states(model, tokenizer, ids: Sequence[int]):
+    """One whole-document forward pass -> ([h] embedding as `embed_documents`, [n, h] content token states)."""
+    input_ids, attention_mask = _batch(tokenizer, [ids], next(model.parameters()).device)
+    hidden = model.base_model(input_ids=input_ids).last_hidden_state
+    return mean_pool(hidden, attention_mask)[0], hidden[0, 1 : 1 + len(ids)]
 
 
 def embed_documents(model, tokenizer, documents: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -264,6 +300,7 @@ def long_context_distillation(
     window: Optional[int] = LONG_CONTEXT_DEFAULTS["window"],
     overlap: int = LONG_CONTEXT_DEFAULTS["overlap"],
     contrastive_weight: float = LONG_CONTEXT_DEFAULTS["contrastive_weight"],
+    token_weight: float = LONG_CONTEXT_DEFAULTS["token_weight"],
     temperature: float = LONG_CONTEXT_DEFAULTS["temperature"],
     learning_rate: float = LONG_CONTEXT_DEFAULTS["learning_rate"],
     table_learning_rate: float = LONG_CONTEXT_DEFAULTS["table_learning_rate"],
@@ -289,6 +326,7 @@ def long_context_distillation(
         window, overlap: the teacher's chunk-and-pool windows (content tokens; window None = all the teacher's
             positions, 510 for BERT and RoBERTa).
         contrastive_weight, temperature: weight and temperature of the passage -> document InfoNCE term.
+        token_weight: weight of the per-token term (0 = off; the teacher then runs only its pooled windows).
         learning_rate: Adam's rate of the weights; table_learning_rate: of the RPE tables and logit scales
             (both decayed to a tenth along a cosine).
         train: which parameters train, one of `LONG_CONTEXT_TRAIN`; everything else stays bit-identical.
@@ -307,8 +345,9 @@ def long_context_distillation(
         )
     if document_length <= passage_length:
         raise ValueError(f"document_length={document_length} must exceed passage_length={passage_length}")
-    if not (learning_rate > 0 and table_learning_rate > 0 and temperature > 0 and contrastive_weight >= 0):
-        raise ValueError("learning rates and temperature must be > 0, contrastive_weight >= 0")
+    if not (learning_rate > 0 and table_learning_rate > 0 and temperature > 0 and contrastive_weight >= 0
+            and token_weight >= 0):
+        raise ValueError("learning rates and temperature must be > 0, contrastive_weight and token_weight >= 0")
     _check_pair(student, teacher)
     if window is None:
         window = teacher_window(teacher, tokenizer)
@@ -348,18 +387,25 @@ def long_context_distillation(
         return [tokenizer(t, add_special_tokens=False, truncation=True, max_length=max_short)["input_ids"]
                 for t in texts]
 
-    def teacher_targets(docs, passages, shorts):
+    def teacher_targets(docs, passages, shorts, tokens=False):
         with torch.no_grad():
             return (chunk_and_pool(teacher, tokenizer, docs, window, overlap),
                     encode_token_ids(teacher, tokenizer, passages),
-                    encode_token_ids(teacher, tokenizer, shorts) if shorts else None)
+                    encode_token_ids(teacher, tokenizer, shorts) if shorts else None,
+                    [chunk_token_states(teacher, tokenizer, ids, window, overlap) for ids in docs] if tokens else None)
+
+    def token_cosine(student_tokens, teacher_tokens):
+        return torch.stack([F.cosine_similarity(s, t, dim=-1).mean() for s, t in zip(student_tokens, teacher_tokens)])
 
     def evaluate():
         shorts = short_ids(eval_short) if eval_short else []
-        target_docs, target_passages, target_short = teacher_targets(eval_docs, eval_passages, shorts)
+        target_docs, target_passages, target_short, target_tokens = teacher_targets(
+            eval_docs, eval_passages, shorts, tokens=True)
         with torch.no_grad():
+            student_docs, student_tokens = zip(*[document_states(student, tokenizer, ids) for ids in eval_docs])
             result = {
-                "document vs chunk-and-pool": float((embed_documents(student, tokenizer, eval_docs) * target_docs).sum(-1).mean()),
+                "document vs chunk-and-pool": float((torch.stack(student_docs) * target_docs).sum(-1).mean()),
+                "token vs its window": float(token_cosine(student_tokens, target_tokens).mean()),
                 "passage": float((encode_token_ids(student, tokenizer, eval_passages) * target_passages).sum(-1).mean()),
             }
             if shorts:
@@ -378,8 +424,10 @@ def long_context_distillation(
                 docs = sample_documents(stream, batch_size, document_length, generator)
                 passages = sample_passages(docs, passages_per_document, passage_length, generator)
                 shorts = short_ids(take_short(short_batch_size))
-                target_docs, target_passages, target_short = teacher_targets(docs, passages, shorts)
-                student_docs = embed_documents(student, tokenizer, docs)
+                target_docs, target_passages, target_short, target_tokens = teacher_targets(
+                    docs, passages, shorts, tokens=token_weight > 0)
+                student_docs, student_tokens = zip(*[document_states(student, tokenizer, ids) for ids in docs])
+                student_docs = torch.stack(student_docs)
                 student_passages = encode_token_ids(student, tokenizer, passages)
                 parts = {
                     "document": (1 - (student_docs * target_docs).sum(-1)).mean(),
@@ -387,6 +435,8 @@ def long_context_distillation(
                 }
                 if shorts:
                     parts["short"] = (1 - (encode_token_ids(student, tokenizer, shorts) * target_short).sum(-1)).mean()
+                if token_weight > 0:
+                    parts["token"] = token_weight * (1 - token_cosine(student_tokens, target_tokens)).mean()
                 if contrastive_weight > 0 and batch_size > 1:
                     logits = student_passages @ student_docs.T / temperature
                     labels = torch.arange(batch_size, device=device).repeat_interleave(passages_per_document)
@@ -418,6 +468,8 @@ def long_context_distillation(
 __all__ = [
     "LongContextReport",
     "chunk_and_pool",
+    "chunk_token_states",
+    "document_states",
     "embed_documents",
     "encode_token_ids",
     "long_context_distillation",

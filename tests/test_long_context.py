@@ -12,6 +12,8 @@ from transformers import AutoModel, AutoTokenizer, BertConfig, BertModel
 from nprf_hf.convert import convert_checkpoint
 from nprf_hf.long_context import (
     chunk_and_pool,
+    chunk_token_states,
+    document_states,
     embed_documents,
     encode_token_ids,
     long_context_distillation,
@@ -133,7 +135,58 @@ def test_recipe_trains_exactly_the_declared_parameters(tiny, train):
     assert all(torch.equal(p, teacher_before[name]) for name, p in teacher.named_parameters())
     assert all(p.requires_grad for p in student.parameters())  # restored
     assert len(report.history) == 3 and all(torch.isfinite(torch.tensor(h["loss"])) for h in report.history)
-    assert set(report.before) == set(report.after) == {"document vs chunk-and-pool", "passage", "short text"}
+    assert set(report.before) == set(report.after) == {
+        "document vs chunk-and-pool", "token vs its window", "passage", "short text"}
+    assert "token" not in report.history[0]  # off by default: the teacher runs only its pooled windows
+
+
+def test_chunk_token_states_are_each_tokens_state_in_its_window(tiny):
+    _, softmax_dir, nprf_dir, _, tokenizer = tiny
+    model = AutoModel.from_pretrained(softmax_dir).eval()
+    generator = torch.Generator().manual_seed(5)
+    doc = torch.randint(1000, 5000, (130,), generator=generator).tolist()
+
+    def alone(part, of=model):  # one window, unpadded, its content tokens' last hidden states
+        ids = torch.tensor([[tokenizer.cls_token_id, *part, tokenizer.sep_token_id]])
+        return of(input_ids=ids).last_hidden_state[0, 1:-1]
+
+    with torch.no_grad():
+        states = chunk_token_states(model, tokenizer, doc, window=50, max_windows_per_batch=2)
+        expected = torch.cat([alone(p) for p in windows(doc, 50)])
+        torch.testing.assert_close(states, expected, atol=1e-5, rtol=1e-5)
+        # with overlap 20 the windows start at 0, 30, 60, 90; token 39 lies 10 before the first window's last
+        # token and 9 after the second's first -> the first; token 45 lies 4 before the first's last and 15
+        # after the second's first -> the second
+        overlapped = chunk_token_states(model, tokenizer, doc, window=50, overlap=20)
+        parts = windows(doc, 50, 20)
+        assert [len(p) for p in parts] == [50, 50, 50, 40]
+        first, second = alone(parts[0]), alone(parts[1])
+        torch.testing.assert_close(overlapped[39], first[39], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(overlapped[45], second[15], atol=1e-5, rtol=1e-5)
+        assert overlapped.shape == (130, 32) and not torch.allclose(first[39], second[9], atol=1e-3)
+        # one whole-document pass gives the pooled embedding and the states of the content tokens
+        nprf = AutoModel.from_pretrained(nprf_dir).eval()
+        embedding, tokens = document_states(nprf, tokenizer, doc)
+        torch.testing.assert_close(embedding, embed_documents(nprf, tokenizer, [doc])[0])
+        torch.testing.assert_close(tokens, alone(doc, of=nprf))
+
+
+def test_token_term_trains_the_declared_parameters_and_brings_tokens_to_their_windows(tiny):
+    _, softmax_dir, nprf_dir, text, tokenizer = tiny
+    student = AutoModel.from_pretrained(nprf_dir)
+    before = {name: p.detach().clone() for name, p in student.named_parameters()}
+    declared = {name for name, _ in long_context_trainable(student, "encoder")}
+    report = long_context_distillation(
+        student, AutoModel.from_pretrained(softmax_dir), tokenizer, read_long_text(text), steps=8, batch_size=2,
+        document_length=200, passage_length=16, short_batch_size=2, learning_rate=3e-3, table_learning_rate=1e-1,
+        train="encoder", token_weight=5.0, contrastive_weight=0.0, eval_documents=2, show_progress=False,
+    )
+    assert all("token" in h and h["token"] > 0 for h in report.history)
+    assert all(torch.equal(p, before[name]) for name, p in student.named_parameters() if name not in declared)
+    assert report.after["token vs its window"] > report.before["token vs its window"]
+    with pytest.raises(ValueError, match="token_weight"):
+        long_context_distillation(student, AutoModel.from_pretrained(softmax_dir), tokenizer, read_long_text(text),
+                                  document_length=200, passage_length=16, token_weight=-1.0)
 
 
 def test_recipe_is_deterministic_for_a_seed(tiny):
