@@ -74,15 +74,19 @@ def _batch(tokenizer, sequences: Sequence[Sequence[int]], device):
     return input_ids.to(device), attention_mask.to(device)
 
 
+def _hidden_states(model, tokenizer, sequences: Sequence[Sequence[int]]):
+    """Content token id sequences -> (last hidden states [B, n, h], attention_mask [B, n]), special tokens
+    added, one padded batch through `model.base_model`, under the caller's grad mode."""
+    input_ids, attention_mask = _batch(tokenizer, sequences, next(model.parameters()).device)
+    # no mask when nothing is padded (one document, equal windows): attention then skips every mask pass
+    mask = None if bool(attention_mask.all()) else attention_mask
+    return model.base_model(input_ids=input_ids, attention_mask=mask).last_hidden_state, attention_mask
+
+
 def encode_token_ids(model, tokenizer, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
     """[B, h] normalized mean-pooled embeddings of content token id sequences (special tokens added), one
     padded batch through `model.base_model`. Runs under the caller's grad mode."""
-    device = next(model.parameters()).device
-    input_ids, attention_mask = _batch(tokenizer, sequences, device)
-    # no mask when nothing is padded (one document, equal windows): attention then skips every mask pass
-    mask = None if bool(attention_mask.all()) else attention_mask
-    hidden = model.base_model(input_ids=input_ids, attention_mask=mask).last_hidden_state
-    return mean_pool(hidden, attention_mask)
+    return mean_pool(*_hidden_states(model, tokenizer, sequences))
 
 
 def windows(ids: Sequence[int], window: int, overlap: int = 0) -> List[List[int]]:
@@ -98,33 +102,21 @@ def windows(ids: Sequence[int], window: int, overlap: int = 0) -> List[List[int]
     return [ids[start : start + window] for start in starts if start < len(ids)]
 
 
-def chunk_and_pool(model, tokenizer, documents: Sequence[Sequence[int]], window: int, overlap: int = 0,
-                   max_windows_per_batch: int = 16) -> torch.Tensor:
-    """[D, h] chunk-and-pool embeddings of `documents` (content token ids): windows of `window` content
-    tokens (`overlap` shared), embedded in batches, averaged weighted by token count, normalized."""
-    pooled = []
-    for ids in documents:
-        parts = windows(ids, window, overlap)
-        vectors = torch.cat([
-            encode_token_ids(model, tokenizer, parts[i : i + max_windows_per_batch])
-            for i in range(0, len(parts), max_windows_per_batch)
-        ])
-        counts = torch.tensor([len(p) for p in parts], dtype=vectors.dtype, device=vectors.device)
-        pooled.append(F.normalize((vectors * counts[:, None]).sum(0), dim=-1))
-    return torch.stack(pooled)
+MAX_WINDOWS_PER_BATCH = 16  # windows per padded forward: bounds the batch's memory at long documents
 
 
-def chunk_token_states(model, tokenizer, ids: Sequence[int], window: int, overlap: int = 0,
-                       max_windows_per_batch: int = 16) -> torch.Tensor:
-    """[n, h] last hidden state of each content token of one document as `model` sees it inside its
-    chunk-and-pool window; with overlap, from the window where the token lies farthest from an edge."""
+def _chunk_pass(model, tokenizer, ids: Sequence[int], window: int, overlap: int, max_windows_per_batch: int,
+                token_states: bool):
+    """One pass over a document's windows -> ([h] chunk-and-pool embedding, [n, h] content token states or None)."""
     parts = windows(ids, window, overlap)
-    states, farthest, start = None, None, 0
+    prefix = len(_special_tokens(tokenizer)[0])
+    vectors, states, farthest, start = [], None, None, 0
     for first in range(0, len(parts), max_windows_per_batch):
         batch = parts[first : first + max_windows_per_batch]
-        input_ids, attention_mask = _batch(tokenizer, batch, next(model.parameters()).device)
-        mask = None if bool(attention_mask.all()) else attention_mask
-        hidden = model.base_model(input_ids=input_ids, attention_mask=mask).last_hidden_state
+        hidden, attention_mask = _hidden_states(model, tokenizer, batch)
+        vectors.append(mean_pool(hidden, attention_mask))
+        if not token_states:
+            continue
         if states is None:
             states = hidden.new_zeros(len(ids), hidden.shape[-1])
             farthest = torch.full((len(ids),), -1, dtype=torch.long, device=hidden.device)
@@ -133,17 +125,34 @@ def chunk_token_states(model, tokenizer, ids: Sequence[int], window: int, overla
             local = position - start
             margin = torch.minimum(local, len(part) - 1 - local)
             take = margin > farthest[position]
-            states[position[take]] = hidden[index, 1 : 1 + len(part)][take]
+            states[position[take]] = hidden[index, prefix : prefix + len(part)][take]
             farthest[position[take]] = margin[take]
             start += len(part) - overlap
-    return states
+    vectors = torch.cat(vectors)
+    counts = torch.tensor([len(p) for p in parts], dtype=vectors.dtype, device=vectors.device)
+    return F.normalize((vectors * counts[:, None]).sum(0), dim=-1), states
+
+
+def chunk_and_pool(model, tokenizer, documents: Sequence[Sequence[int]], window: int, overlap: int = 0,
+                   max_windows_per_batch: int = MAX_WINDOWS_PER_BATCH) -> torch.Tensor:
+    """[D, h] chunk-and-pool embeddings of `documents` (content token ids): windows of `window` content
+    tokens (`overlap` shared), embedded in batches, averaged weighted by token count, normalized."""
+    return torch.stack([_chunk_pass(model, tokenizer, ids, window, overlap, max_windows_per_batch, False)[0]
+                        for ids in documents])
+
+
+def chunk_token_states(model, tokenizer, ids: Sequence[int], window: int, overlap: int = 0,
+                       max_windows_per_batch: int = MAX_WINDOWS_PER_BATCH) -> torch.Tensor:
+    """[n, h] last hidden state of each content token of one document as `model` sees it inside its
+    chunk-and-pool window; with overlap, from the window where the token lies farthest from an edge."""
+    return _chunk_pass(model, tokenizer, ids, window, overlap, max_windows_per_batch, True)[1]
 
 
 def document_states(model, tokenizer, ids: Sequence[int]):
     """One whole-document forward pass -> ([h] embedding as `embed_documents`, [n, h] content token states)."""
-    input_ids, attention_mask = _batch(tokenizer, [ids], next(model.parameters()).device)
-    hidden = model.base_model(input_ids=input_ids).last_hidden_state
-    return mean_pool(hidden, attention_mask)[0], hidden[0, 1 : 1 + len(ids)]
+    hidden, attention_mask = _hidden_states(model, tokenizer, [ids])
+    prefix = len(_special_tokens(tokenizer)[0])
+    return mean_pool(hidden, attention_mask)[0], hidden[0, prefix : prefix + len(ids)]
 
 
 def embed_documents(model, tokenizer, documents: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -389,10 +398,13 @@ def long_context_distillation(
 
     def teacher_targets(docs, passages, shorts, tokens=False):
         with torch.no_grad():
-            return (chunk_and_pool(teacher, tokenizer, docs, window, overlap),
+            # one pass over each document's windows gives both its pooled target and its tokens' targets
+            pooled, states = zip(*[_chunk_pass(teacher, tokenizer, ids, window, overlap, MAX_WINDOWS_PER_BATCH, tokens)
+                                   for ids in docs])
+            return (torch.stack(pooled),
                     encode_token_ids(teacher, tokenizer, passages),
                     encode_token_ids(teacher, tokenizer, shorts) if shorts else None,
-                    [chunk_token_states(teacher, tokenizer, ids, window, overlap) for ids in docs] if tokens else None)
+                    list(states) if tokens else None)
 
     def token_cosine(student_tokens, teacher_tokens):
         return torch.stack([F.cosine_similarity(s, t, dim=-1).mean() for s, t in zip(student_tokens, teacher_tokens)])
