@@ -5,6 +5,11 @@ memory, plus two floors: a bare rfft+irfft of the FFT path's own [B*H, m, d+1, n
 and the machine's fp32 matmul FLOP rate. Prints a table and writes JSON.
 
     python benchmarks/attention.py --threads 2 --output benchmarks/results/attention_cpu.json
+    python benchmarks/attention.py --device cuda --dtype bfloat16 [--compile] --output ...
+
+On CUDA in bf16 or fp16, SDPA runs its flash kernel (no mask, no dropout here). `--compile` wraps
+SDPA and `nprf_attention` alike in `torch.compile`; the untimed warm-up call of each point absorbs
+the compile.
 
 Times are taken first, with the allocator as users have it. Peak memory is measured afterwards, in
 a child process (one call per point): on CPU the peak resident set size (VmHWM, reset through
@@ -88,9 +93,12 @@ def measure_peak(fn, device):
     return read_peak(device, start)
 
 
-def matmul_gflops(device, size=2048):
-    a = torch.randn(size, size, device=device)
-    b = torch.randn(size, size, device=device)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def matmul_gflops(device, size=2048, dtype=torch.float32):
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
     seconds = measure_time(lambda: a @ b, device)
     return 2 * size**3 / seconds / 1e9
 
@@ -105,21 +113,21 @@ def banded_flops(batch, heads, n, d, m, band_width=91):
     return batch * heads * chunks * per_chunk
 
 
-def make_inputs(batch, heads, n, d, m, device, requires_grad):
+def make_inputs(batch, heads, n, d, m, device, requires_grad, dtype=torch.float32):
     torch.manual_seed(0)
-    q, k, v = (torch.randn(batch, heads, n, d, device=device, requires_grad=requires_grad) for _ in range(3))
-    table = torch.randn(heads, 32, device=device, requires_grad=requires_grad)
-    projection = Fn.draw_projection(m, d, "orf", num_heads=heads, device=device)
+    q, k, v = (torch.randn(batch, heads, n, d, device=device, dtype=dtype, requires_grad=requires_grad) for _ in range(3))
+    table = torch.randn(heads, 32, device=device, dtype=dtype, requires_grad=requires_grad)
+    projection = Fn.draw_projection(m, d, "orf", num_heads=heads, device=device).to(dtype)
     return q, k, v, table, projection
 
 
-def nprf_step(algorithm, inputs, n, backward, recompute=None):
+def nprf_step(algorithm, inputs, n, backward, recompute=None, attention=Fn.nprf_attention):
     q, k, v, table, projection = inputs
     width = Fn.rpe_band_width()
 
     def run():
         bias = Fn.relative_position_bias(table, n)
-        out = Fn.nprf_attention(q, k, v, bias, projection, algorithm=algorithm, band_width=width, recompute=recompute)
+        out = attention(q, k, v, bias, projection, algorithm=algorithm, band_width=width, recompute=recompute)
         if backward:
             out.sum().backward()
         return out
@@ -127,11 +135,11 @@ def nprf_step(algorithm, inputs, n, backward, recompute=None):
     return run
 
 
-def sdpa_step(inputs, backward):
+def sdpa_step(inputs, backward, attention=F.scaled_dot_product_attention):
     q, k, v = inputs[:3]
 
     def run():
-        out = F.scaled_dot_product_attention(q, k, v)
+        out = attention(q, k, v)
         if backward:
             out.sum().backward()
         return out
@@ -170,6 +178,12 @@ def main(argv=None):
                         "products in backward instead of keeping them, never keeps them (default: %(default)s)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:0, ...) (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default: %(default)s)")
+    parser.add_argument("--dtype", default="float32", choices=list(DTYPES),
+                        help="q, k, v, the RPE table and the projection in this dtype (default: %(default)s)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile SDPA and nprf_attention (default: eager)")
+    parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS,
+                        help="NPRF algorithms to time (default: all; the speed-up column needs auto)")
+    parser.add_argument("--skip-memory", action="store_true", help="times only (no peak-memory pass in a child process)")
     parser.add_argument("--memory-budget-gb", type=float, default=12.0,
                         help="skip dense beyond this memory estimate (default: %(default)s)")
     parser.add_argument("--min-time", type=float, default=1.0,
@@ -182,25 +196,36 @@ def main(argv=None):
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    dtype = DTYPES[args.dtype]
+    algorithms = tuple(a for a in ALGORITHMS if a in args.algorithms)
     b, h, d, m = args.batch, args.heads, args.head_dim, args.features
+    sdpa, nprf = F.scaled_dot_product_attention, Fn.nprf_attention
+    if args.compile:
+        # one graph per (length, algorithm, grad mode): far more than dynamo's default cache, past which it
+        # would silently fall back to eager and the "compiled" column would time eager code
+        torch._dynamo.config.cache_size_limit = 1024
+        sdpa, nprf = torch.compile(sdpa), torch.compile(nprf)
     machine = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or platform.machine(),
         "threads": args.threads,
         "torch": torch.__version__,
-        "matmul_gflops": None if args.memory_pass else matmul_gflops(device),
+        "dtype": args.dtype,
+        "compiled": args.compile,
+        "matmul_gflops": None if args.memory_pass else matmul_gflops(device, dtype=dtype),
     }
     if not args.memory_pass:
-        print(f"# B={b} H={h} d={d} m={m} device={device} threads={args.threads} torch={torch.__version__}")
-        print(f"# fp32 matmul: {machine['matmul_gflops']:.1f} GFLOP/s")
-        print(f"{'n':>6} {'pass':>8} {'sdpa':>9} " + " ".join(f"{a:>9}" for a in ALGORITHMS) + f" {'fftfloor':>9} {'sdpa/auto':>9}")
+        print(f"# B={b} H={h} d={d} m={m} device={device} dtype={args.dtype} compiled={args.compile} "
+              f"threads={args.threads} torch={torch.__version__}")
+        print(f"# {args.dtype} matmul: {machine['matmul_gflops']:.1f} GFLOP/s")
+        print(f"{'n':>6} {'pass':>8} {'sdpa':>9} " + " ".join(f"{a:>9}" for a in algorithms) + f" {'fftfloor':>9} {'sdpa/auto':>9}")
 
     def points(n, backward):
         """(inputs, {name: step}) for one row; the grad context must be entered by the caller."""
-        inputs = make_inputs(b, h, n, d, m, device, backward)
-        steps = {"sdpa": sdpa_step(inputs, backward)}
-        for name in ALGORITHMS:
+        inputs = make_inputs(b, h, n, d, m, device, backward, dtype)
+        steps = {"sdpa": sdpa_step(inputs, backward, sdpa)}
+        for name in algorithms:
             if fits(name, b, h, n, backward, args.memory_budget_gb * 2**30):
-                steps[name] = nprf_step(name, inputs, n, backward, RECOMPUTE_MODES[args.recompute])
+                steps[name] = nprf_step(name, inputs, n, backward, RECOMPUTE_MODES[args.recompute], nprf)
         if not backward:
             steps["fft_floor"] = fft_floor_step(b, h, n, d, m, device)
         return inputs, steps
@@ -232,31 +257,33 @@ def main(argv=None):
                     row["seconds"][name] = measure_time(step, device, args.min_time)
                     for t in inputs:
                         t.grad = None
-            if not backward:
+            if not backward and "banded" in row["seconds"]:
                 row["banded_gflops"] = banded_flops(b, h, n, d, m) / row["seconds"]["banded"] / 1e9
             seconds = row["seconds"]
-            cells = " ".join(f"{seconds[a]:9.4f}" if a in seconds else f"{'skip':>9}" for a in ALGORITHMS)
+            cells = " ".join(f"{seconds[a]:9.4f}" if a in seconds else f"{'skip':>9}" for a in algorithms)
             floor = f"{seconds['fft_floor']:9.4f}" if "fft_floor" in seconds else f"{'':>9}"
-            print(f"{n:>6} {row['pass']:>8} {seconds['sdpa']:9.4f} {cells} {floor} {seconds['sdpa'] / seconds['auto']:9.2f}", flush=True)
+            speedup = f"{seconds['sdpa'] / seconds['auto']:9.2f}" if "auto" in seconds else f"{'':>9}"
+            print(f"{n:>6} {row['pass']:>8} {seconds['sdpa']:9.4f} {cells} {floor} {speedup}", flush=True)
             rows.append(row)
 
     machine["memory_method"] = (
         "VmHWM above the resident size before the call, in a child process with MALLOC_MMAP_THRESHOLD_=131072"
         if device.type == "cpu" else "torch.cuda.max_memory_allocated above the allocation before the call"
     )
-    with tempfile.TemporaryDirectory() as folder:
-        peaks_file = os.path.join(folder, "peaks.json")
-        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
-        command = [sys.executable, os.path.abspath(__file__), "--memory-pass"] + list(argv if argv is not None else sys.argv[1:])
-        subprocess.run(command + ["--output", peaks_file], env=env, check=True)
-        with open(peaks_file) as f:
-            peaks = json.load(f)
-    print(f"# peak memory, MiB, one call each ({machine['memory_method']})")
-    print(f"{'n':>6} {'pass':>8} {'sdpa':>9} " + " ".join(f"{a:>9}" for a in ALGORITHMS))
-    for row, peak in zip(rows, peaks):
-        row["peak_bytes"] = peak
-        cells = " ".join(f"{peak[a] / 2**20:9.0f}" if a in peak else f"{'skip':>9}" for a in ALGORITHMS)
-        print(f"{row['n']:>6} {row['pass']:>8} {peak['sdpa'] / 2**20:9.0f} {cells}", flush=True)
+    if not args.skip_memory:
+        with tempfile.TemporaryDirectory() as folder:
+            peaks_file = os.path.join(folder, "peaks.json")
+            env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
+            command = [sys.executable, os.path.abspath(__file__), "--memory-pass"] + list(argv if argv is not None else sys.argv[1:])
+            subprocess.run(command + ["--output", peaks_file], env=env, check=True)
+            with open(peaks_file) as f:
+                peaks = json.load(f)
+        print(f"# peak memory, MiB, one call each ({machine['memory_method']})")
+        print(f"{'n':>6} {'pass':>8} {'sdpa':>9} " + " ".join(f"{a:>9}" for a in algorithms))
+        for row, peak in zip(rows, peaks):
+            row["peak_bytes"] = peak
+            cells = " ".join(f"{peak[a] / 2**20:9.0f}" if a in peak else f"{'skip':>9}" for a in algorithms)
+            print(f"{row['n']:>6} {row['pass']:>8} {peak['sdpa'] / 2**20:9.0f} {cells}", flush=True)
     summary = summarize(rows, machine)
     for line in summary["lines"]:
         print(line)
@@ -279,15 +306,21 @@ def summarize(rows, machine):
     for n in lengths:
         for kind in ("fwd", "fwd+bwd"):
             seconds = table[(n, kind)]["seconds"]
-            fastest = min(seconds[a] for a in ("dense", "fft", "banded") if a in seconds)
-            add(f"auto_over_fastest_{kind}_{n}", seconds["auto"] / fastest, f"n={n} {kind}: auto / fastest exact")
+            if "auto" not in seconds:
+                continue
+            exact = [seconds[a] for a in ("dense", "fft", "banded") if a in seconds]
+            if exact:
+                add(f"auto_over_fastest_{kind}_{n}", seconds["auto"] / min(exact), f"n={n} {kind}: auto / fastest exact")
             add(f"sdpa_over_auto_{kind}_{n}", seconds["sdpa"] / seconds["auto"], f"n={n} {kind}: sdpa / auto (speed-up)")
         forward = table[(n, "fwd")]
-        add(f"banded_matmul_fraction_{n}", forward["banded_gflops"] / machine["matmul_gflops"], f"n={n}: banded GFLOP/s / matmul GFLOP/s")
-        add(f"fft_over_floor_{n}", forward["seconds"]["fft"] / forward["seconds"]["fft_floor"], f"n={n}: fft / bare rfft+irfft")
+        if "banded_gflops" in forward:
+            add(f"banded_matmul_fraction_{n}", forward["banded_gflops"] / machine["matmul_gflops"], f"n={n}: banded GFLOP/s / matmul GFLOP/s")
+        if "fft" in forward["seconds"]:
+            add(f"fft_over_floor_{n}", forward["seconds"]["fft"] / forward["seconds"]["fft_floor"], f"n={n}: fft / bare rfft+irfft")
     for a, b in zip(lengths, lengths[1:]):
-        if b == 2 * a:
+        if b == 2 * a and "auto" in table[(b, "fwd")]["seconds"]:
             add(f"auto_time_scaling_{b}", table[(b, "fwd")]["seconds"]["auto"] / table[(a, "fwd")]["seconds"]["auto"], f"auto fwd time({b}) / time({a})")
+        if b == 2 * a and "auto" in table[(b, "fwd")]["peak_bytes"]:
             add(f"auto_memory_scaling_{b}", table[(b, "fwd")]["peak_bytes"]["auto"] / max(table[(a, "fwd")]["peak_bytes"]["auto"], 1), f"auto fwd peak memory({b}) / memory({a})")
     return {"ratios": ratios, "lines": lines}
 

@@ -26,9 +26,19 @@ layer after the last token.
 Memory is measured as in `long_sequence.py` (peak RSS on CPU, `max_memory_allocated` on CUDA), each
 (variant, context) in a fresh forked (CPU) or spawned (CUDA) process (``--isolation process``).
 
+``--dtype`` (default float32) casts every variant's model, the softmax baseline included, with
+`model.to(dtype)`. The KV cache follows the dtype; the NPRF caches stay in float32 (the attention
+computes its features and sums in float32 under bfloat16/float16), so ``cache_bytes_per_layer`` is
+what each cache really stores. The dtype is recorded on every result and in ``meta.dtype``.
+
 The full run (see the README for its run time):
 
     python benchmarks/generation.py --device cpu --threads 2 --contexts 512 1024 2048 4096 8192 16384 --new-tokens 256
+
+On a CUDA GPU in bfloat16:
+
+    python benchmarks/generation.py --device cuda --dtype bfloat16 --variants nprf softmax nprf_compiled \\
+        --output runs/benchmarks/generation_cuda_bf16.json --plot runs/benchmarks/generation_cuda_bf16.png
 """
 
 import argparse
@@ -45,7 +55,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from long_sequence import PeakMemory, machine_description  # noqa: E402
+from long_sequence import DTYPES, PeakMemory, machine_description  # noqa: E402
 
 
 VARIANTS = ("nprf", "softmax", "nprf_kv", "nprf_static", "nprf_compiled")
@@ -56,7 +66,7 @@ DEFAULT_PLOT = os.path.join(HERE, "plots", "generation.png")
 
 
 def build_model(variant, args, max_length):
-    """The causal LM of one variant: random weights, eval mode, on args.device."""
+    """The causal LM of one variant: random weights, eval mode, on args.device in args.dtype."""
     common = dict(
         vocab_size=args.vocab_size,
         hidden_size=args.hidden_size,
@@ -81,7 +91,7 @@ def build_model(variant, args, max_length):
         model = RobertaForCausalLM(config)
         if model.config._attn_implementation != "sdpa":
             raise RuntimeError("RobertaForCausalLM did not keep attn_implementation='sdpa'")
-    return model.eval().to(args.device)
+    return model.eval().to(device=args.device, dtype=DTYPES[args.dtype])
 
 
 def new_cache(variant, model):
@@ -300,7 +310,7 @@ def plot(results, meta, path):
     where = machine.get("gpu") or f"{machine['cpu']}, {meta['args']['threads']} threads"
     args = meta["args"]
     figure.suptitle(f"Causal LM, {args['num_layers']} layers, hidden {args['hidden_size']}, batch 1, "
-                    f"{args['new_tokens']} new tokens ({where})", fontsize=10)
+                    f"{args['new_tokens']} new tokens, {args.get('dtype', 'float32')} ({where})", fontsize=10)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -322,6 +332,8 @@ def parse_args(argv=None):
     parser.add_argument("--algorithm", default="auto", help="NPRF attention_algorithm of the prefill")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend of nprf_compiled")
     parser.add_argument("--compile-mode", default=None, help="torch.compile mode of nprf_compiled (e.g. reduce-overhead)")
+    parser.add_argument("--dtype", default="float32", choices=tuple(DTYPES),
+                        help="every variant's parameters and compute (model.to(dtype)) (default: %(default)s)")
     parser.add_argument("--time-cap", type=float, default=1800.0, help="seconds per (variant, context) point")
     parser.add_argument("--isolation", default="process", choices=("process", "none"))
     parser.add_argument("--output", default=DEFAULT_OUTPUT, help="JSON path")
@@ -350,21 +362,22 @@ def main(argv=None):
     for context in args.contexts:
         for variant in args.variants:
             result = run_point(variant, context, args)
-            result.update(variant=variant, context=context)
+            result.update(variant=variant, context=context, dtype=args.dtype)
             results.append(result)
             status = result["status"]
             if status == "ok":
                 status = f"{result['time_per_token_s'] * 1e3:.1f} ms/token"
-            print(f"{variant:>13} context {context:>6}: {status}", flush=True)
+            print(f"{variant:>13} {args.dtype} context {context:>6}: {status}", flush=True)
     meta = {
         "command": "python " + " ".join([os.path.relpath(__file__)] + (sys.argv[1:] if argv is None else list(argv))),
         "args": dict(vars(args)),
         "variants": args.variants,
+        "dtype": args.dtype,
         "machine": machine_description(args),
         "memory_method": next((r["memory_method"] for r in results if r.get("memory_method")), None),
         "total_runtime_s": round(time.perf_counter() - started, 1),
     }
-    table = summary_table(results, args.variants, args.contexts)
+    table = f"dtype {args.dtype}\n" + summary_table(results, args.variants, args.contexts)
     summary = ratios(results, args.contexts)
     print(table)
     for name, value in summary.items():

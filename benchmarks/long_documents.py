@@ -191,8 +191,13 @@ def build_tasks(tokenizer, articles, lengths, count, passage_length, seed, tasks
 
 def top1(query_embeddings, document_embeddings, owners):
     """Fraction of queries whose most similar document is their own (query i <-> document owners[i])."""
-    best = (query_embeddings @ document_embeddings.T).argmax(-1)
+    best = (query_embeddings @ document_embeddings.T).argmax(-1).cpu()
     return float((best == torch.tensor(owners)).float().mean())
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def run_method(name, model, tokenizer, documents, queries, owners, args):
@@ -206,12 +211,15 @@ def run_method(name, model, tokenizer, documents, queries, owners, args):
             return chunk_and_pool(model, tokenizer, [ids], args.window, args.overlap)
         return embed_documents(model, tokenizer, [ids])
 
+    device = next(model.parameters()).device
     with torch.inference_mode():
         embed(documents[0])  # warm-up: allocator, thread pool
         vectors, seconds = [], []
         for ids in documents:
+            synchronize(device)
             start = time.perf_counter()
             vectors.append(embed(ids))
+            synchronize(device)
             seconds.append(time.perf_counter() - start)
         document_embeddings = torch.cat(vectors)
         query_embeddings = torch.cat([encode_token_ids(model, tokenizer, queries[i : i + 32])
@@ -249,11 +257,11 @@ def load_models(args):
     import nprf_hf  # noqa: F401  (registers the NPRF families)
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    source = AutoModel.from_pretrained(args.model).eval()
+    source = AutoModel.from_pretrained(args.model).to(args.device).eval()
     models = {"truncate": source, "chunk-and-pool": source}
     for spec in args.nprf:
         name, path, fields = nprf_spec(spec)
-        models[name] = AutoModel.from_pretrained(path, **fields).eval()
+        models[name] = AutoModel.from_pretrained(path, **fields).to(args.device).eval()
     return tokenizer, models
 
 
@@ -363,6 +371,7 @@ def parse_args(argv=None):
                         "'' = skip")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (the targets' times are CPU times; scores do not depend on it)")
     parser.add_argument("--output", default=DEFAULT_OUTPUT, help="path stem of the .json and .png")
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
@@ -428,7 +437,8 @@ def main(argv=None):
             print(f"  {name}: {value:.4f}")
     meta = {
         "args": {k: v for k, v in vars(args).items()},
-        "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
+        "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "machine": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.machine(),
         "chunk_and_pool": {"window": args.window, "overlap": args.overlap},
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)

@@ -41,12 +41,34 @@ costs, and a cold long step next to a warm short one skews a ratio); the reporte
 fastest of ``--repeats`` further steps, or of a single one when the warm-up took longer than
 ``--single-run-above`` seconds.
 
+``--dtype`` (default float32) casts every variant's model, NPRF, SDPA, eager and floor alike, with
+`model.to(dtype)`: parameters and compute in that dtype, training step included (the inputs are
+token ids; the loss is reduced in float32). On CUDA in bfloat16/float16 (no mask, no attention
+dropout) PyTorch's SDPA can use its flash kernel. ``--compile`` wraps each variant's model in
+`torch.compile(model)` (default options). A compiled point first makes one extra call, neither
+timed nor measured, that compiles (its seconds are reported as ``compile_s``); then the usual
+warm-up step (the memory step) and the timed steps run the compiled model, so no compile time is
+ever reported, ``--repeats 0`` included. On CPU `malloc_trim` hands the compile's freed memory
+back to the kernel before the memory step, so that its RSS baseline is not inflated (the CUDA
+measure counts allocated bytes and needs no trim); one-off buffers that the compile call keeps
+(thread pools, kernel scratch) are in the baseline, though, so on CPU compare peak memory between
+compiled and uncompiled runs with care. The JSON records dtype and compile in ``meta.settings``
+and on every result row; the tables and the plot name them.
+
 Example (the full sweep; see the README for its run time):
 
     python benchmarks/long_sequence.py --device cpu --threads 2 --lengths 512 1024 2048 4096 8192 16384
+
+On a CUDA GPU in bfloat16, not compiled, then compiled:
+
+    python benchmarks/long_sequence.py --device cuda --dtype bfloat16 --output runs/benchmarks/long_sequence_cuda_bf16
+    python benchmarks/long_sequence.py --device cuda --dtype bfloat16 --compile \\
+        --output runs/benchmarks/long_sequence_cuda_bf16_compiled
 """
 
 import argparse
+import ctypes
+import ctypes.util
 import json
 import math
 import multiprocessing
@@ -69,6 +91,7 @@ VARIANTS = ("nprf", "sdpa", "eager", "floor", "nprf-keep")
 DEFAULT_VARIANTS = VARIANTS[:4]
 MODES = ("forward", "train")
 FLOOR_ATTENTION = "nprf_benchmark_floor"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # a scratch folder (git-ignored): a trial run must not overwrite the README's committed plot; --output publishes
 DEFAULT_OUTPUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runs", "benchmarks", "long_sequence")
 
@@ -114,6 +137,19 @@ def build_model(variant, args, max_length):
     if model.config._attn_implementation != config._attn_implementation:
         raise RuntimeError(f"RobertaModel did not keep attn_implementation={config._attn_implementation!r}")
     return model
+
+
+def setting(args):
+    """The dtype and compile state of a run, e.g. "bfloat16, compiled", for titles and labels."""
+    return f"{args.dtype}, " + ("compiled" if args.compile else "not compiled")
+
+
+def _release_freed_memory():
+    """Hand glibc's freed heap pages back to the kernel (CPU RSS baseline); a no-op without glibc."""
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 class PeakMemory:
@@ -183,7 +219,10 @@ def measure_point(variant, mode, n, args, max_length):
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     device = torch.device(args.device)
-    model = build_model(variant, args, max_length).to(device)
+    model = build_model(variant, args, max_length).to(device=device, dtype=DTYPES[args.dtype])
+    if args.compile:
+        torch._dynamo.reset()  # with --isolation none, no graph or recompile budget carried over from another point
+        model = torch.compile(model)
     input_ids = torch.randint(3, args.vocab_size, (1, n), device=device)
 
     if mode == "forward":
@@ -203,6 +242,14 @@ def measure_point(variant, mode, n, args, max_length):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
 
+    compiled = {}
+    if args.compile:
+        # compile outside the timed and measured steps: the warm-up below must be a compiled step
+        start = time.perf_counter()
+        step()
+        compiled["compile_s"] = time.perf_counter() - start
+        if device.type == "cpu":
+            _release_freed_memory()
     with PeakMemory(device) as memory:
         start = time.perf_counter()
         step()
@@ -219,6 +266,7 @@ def measure_point(variant, mode, n, args, max_length):
         "warmup_s": warmup,
         "peak_memory_bytes": memory.increase,
         "memory_method": memory.method,
+        **compiled,
     }
 
 
@@ -282,7 +330,7 @@ def skip_reason(variant, mode, n, args, done):
         return f"skipped at n={skipped[0]['n']}"
     if variant == "eager" and args.device == "cpu":
         matrices = 3 if mode == "forward" else 2 * args.num_layers + 3
-        need = matrices * args.num_heads * n * n * 4
+        need = matrices * args.num_heads * n * n * DTYPES[args.dtype].itemsize
         if need > args.mem_budget_gb * 2**30:
             return f"predicted out of memory: ~{need / 2**30:.0f} GiB of n x n scores > --mem-budget-gb {args.mem_budget_gb:g}"
     ok = [r for r in previous if r["status"] == "ok"]
@@ -345,8 +393,8 @@ def _ratio(a, b, key="time_s"):
     return f"{b[key] / a[key]:.2f}x"
 
 
-def summary_table(results, variants, lengths):
-    """Plain-text tables: times, ratios against NPRF, peak memory."""
+def summary_table(results, variants, lengths, run_setting=""):
+    """Plain-text tables: times, ratios against NPRF, peak memory; `run_setting` (dtype, compile) in each title."""
     index = {(r["variant"], r["mode"], r["n"]): r for r in results}
     lines = []
     for mode in MODES:
@@ -377,7 +425,7 @@ def summary_table(results, variants, lengths):
                 row += [_ratio(get(v), get("nprf"), "peak_memory_bytes") for v in variants if v in ("sdpa", "nprf-keep")]
             rows.append(row)
         widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
-        lines.append(f"== {title} ==")
+        lines.append(f"== {title}{', ' + run_setting if run_setting else ''} ==")
         for row in [header] + rows:
             lines.append("  ".join(cell.rjust(width) for cell, width in zip(row, widths)))
         lines.append("")
@@ -430,7 +478,9 @@ def plot(results, meta, path):
             axis.legend(fontsize=8)
     machine = meta["machine"]
     where = machine.get("gpu") or f"{machine['cpu']}, {meta['args']['threads']} threads"
-    figure.suptitle(f"RoBERTa-base-sized encoder, {meta['args']['num_layers']} layer(s), batch 1 ({where})", fontsize=10)
+    run_setting = meta.get("settings", {}).get("label", "float32, not compiled")
+    figure.suptitle(f"RoBERTa-base-sized encoder, {meta['args']['num_layers']} layer(s), batch 1, "
+                    f"{run_setting} ({where})", fontsize=10)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -473,6 +523,12 @@ def parse_args(argv=None):
                         help="path stem: writes STEM.json and STEM.png (default: %(default)s, a git-ignored scratch "
                         "folder; pass benchmarks/plots/long_sequence to update the README's plot)")
     parser.add_argument("--no-plot", action="store_true", help="write the JSON only")
+    parser.add_argument("--dtype", default="float32", choices=tuple(DTYPES),
+                        help="every variant's parameters and compute (model.to(dtype)); bfloat16 on CUDA lets SDPA "
+                        "use its flash kernel (default: %(default)s)")
+    parser.add_argument("--compile", action="store_true",
+                        help="wrap each variant's model in torch.compile(model); an extra untimed call per point "
+                        "compiles (default: not compiled)")
     args = parser.parse_args(argv)
     if any(n < 1 for n in args.lengths):
         parser.error("--lengths must be positive")
@@ -503,7 +559,7 @@ def main(argv=None):
     max_length = max(args.lengths)
     points = [(n, variant, mode) for n in args.lengths for variant in args.variants for mode in args.modes]
     results = []
-    bar = tqdm(points, desc="long-sequence sweep", unit="point")
+    bar = tqdm(points, desc=f"long-sequence sweep ({setting(args)})", unit="point")
     for n, variant, mode in bar:
         bar.set_postfix_str(f"{variant} {mode} n={n}")
         reason = skip_reason(variant, mode, n, args, results)
@@ -511,7 +567,7 @@ def main(argv=None):
             result = {"status": "skipped", "error": reason}
         else:
             result = run_point(variant, mode, n, args, max_length)
-        result.update(variant=variant, mode=mode, n=n)
+        result.update(variant=variant, mode=mode, n=n, dtype=args.dtype, compiled=args.compile)
         results.append(result)
         if result["status"] != "ok":
             tqdm.write(f"{variant} {mode} n={n}: {result['status']} ({result.get('error', '')})")
@@ -519,11 +575,12 @@ def main(argv=None):
         "command": "python " + " ".join([os.path.relpath(__file__)] + (sys.argv[1:] if argv is None else list(argv))),
         "args": {k: v for k, v in vars(args).items()},
         "variants": args.variants,
+        "settings": {"dtype": args.dtype, "compiled": args.compile, "label": setting(args)},
         "machine": machine_description(args),
         "memory_method": next((r["memory_method"] for r in results if r.get("memory_method")), None),
         "total_runtime_s": round(time.perf_counter() - started, 1),
     }
-    table = summary_table(results, args.variants, args.lengths)
+    table = summary_table(results, args.variants, args.lengths, setting(args))
     print(table)
     print(f"total runtime {meta['total_runtime_s']:.0f} s; command: {meta['command']}")
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)

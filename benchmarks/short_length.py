@@ -10,6 +10,11 @@ between the two models so that drifts of the machine hit both. Training steps ar
 fine-tuning a BERT checkpoint gets (SDPA then takes its unfused path; NPRF applies no attention dropout).
 
     python benchmarks/short_length.py --threads 2 --output benchmarks/results/short_length_cpu.json
+    python benchmarks/short_length.py --device cuda --dtype bfloat16 [--compile] --output ...
+
+`--dtype` casts both models (parameters and compute); `--compile` wraps both in `torch.compile`, the
+untimed warm-up absorbing the compile. On CUDA the padded batches give SDPA a mask, so it runs its
+memory-efficient kernel rather than flash (what a padded GLUE batch gets).
 """
 
 import argparse
@@ -46,6 +51,14 @@ def padded_batch(batch, length, vocab_size, seed=0, pad_token_id=0):
     return input_ids.masked_fill(attention_mask == 0, pad_token_id), attention_mask
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def step(model, inputs, train):
     if not train:
         with torch.inference_mode():
@@ -54,16 +67,21 @@ def step(model, inputs, train):
     model(**inputs).last_hidden_state.sum().backward()
 
 
-def time_pair(models, inputs, train, repeats):
-    """Median seconds of each model, runs alternating (one warm-up each first)."""
+def time_pair(models, inputs, train, repeats, device=torch.device("cpu")):
+    """Median seconds of each model, runs alternating (two warm-ups each first: a compiled model may compile
+    again on its second call)."""
     for model in models.values():
         model.train(train)
-        step(model, inputs, train)
+        for _ in range(2):
+            step(model, inputs, train)
+            model.zero_grad(set_to_none=True)
     times = {name: [] for name in models}
     for _ in range(repeats):
         for name, model in models.items():
+            sync(device)
             start = time.perf_counter()
             step(model, inputs, train)
+            sync(device)
             times[name].append(time.perf_counter() - start)
             model.zero_grad(set_to_none=True)
     return {name: statistics.median(values) for name, values in times.items()}
@@ -76,6 +94,9 @@ def main(argv=None):
                         help="batch x length points (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per model and point (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default: %(default)s)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:0, ...) (default: %(default)s)")
+    parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="both models' dtype (default: %(default)s)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile both models (default: eager)")
     parser.add_argument("--features", type=int, default=64, help="NPRF random features m (default: %(default)s)")
     parser.add_argument("--dropout", nargs="+", type=float, default=[0.0, 0.1],
                         help="dropout probabilities of the training steps (default: %(default)s)")
@@ -92,6 +113,10 @@ def main(argv=None):
     if any(not 0 <= p < 1 for p in args.dropout):
         parser.error(f"--dropout takes probabilities in [0, 1), got {args.dropout}")
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if args.compile:
+        # dropout changes and train/eval switches retrace: keep them compiled instead of falling back to eager
+        torch._dynamo.config.cache_size_limit = 64
     from transformers import BertConfig, BertModel
 
     rows = []
@@ -103,16 +128,20 @@ def main(argv=None):
         softmax = BertModel(config)
         nprf = convert_to_nprf(softmax, num_random_features=args.features)
         models = {"sdpa": softmax, "nprf": nprf}
+        for model in models.values():
+            model.to(device=device, dtype=DTYPES[args.dtype])
+        if args.compile:
+            models = {name: torch.compile(model) for name, model in models.items()}
         for batch, length in points:
             input_ids, attention_mask = padded_batch(batch, length, config.vocab_size)
-            inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
-            forward = time_pair(models, inputs, train=False, repeats=args.repeats)  # eval mode: no dropout
+            inputs = {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device)}
+            forward = time_pair(models, inputs, train=False, repeats=args.repeats, device=device)  # eval: no dropout
             for probability in args.dropout:
                 for model in models.values():
                     for module in model.modules():
                         if isinstance(module, torch.nn.Dropout):
                             module.p = probability
-                training = time_pair(models, inputs, train=True, repeats=args.repeats)
+                training = time_pair(models, inputs, train=True, repeats=args.repeats, device=device)
                 row = {
                     "size": size, "batch": batch, "length": length, "dropout": probability,
                     "forward_s": forward, "train_step_s": training,
@@ -125,7 +154,8 @@ def main(argv=None):
                       f"(dropout {probability}) sdpa {1e3 * training['sdpa']:8.1f} ms  nprf {1e3 * training['nprf']:8.1f}"
                       f" ms  ratio {row['train_step_nprf_over_sdpa']:.2f}", flush=True)
     result = {
-        "settings": {**vars(args), "torch": torch.__version__, "machine": platform.processor() or platform.machine()},
+        "settings": {**vars(args), "torch": torch.__version__,
+                     "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()},
         "rows": rows,
         "command": "python benchmarks/short_length.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     }

