@@ -513,7 +513,11 @@ class NPRFGenerationMixin:
         every decode step (no recompile as the context grows) where transformers would build a 4D mask over a
         maximum length. Args as `transformers.masking_utils.create_masks_for_generate`; inputs_embeds [B, L, *]."""
         if find_nprf_cache(past_key_values) is not None and attention_mask is not None and attention_mask.dim() == 2:
-            return attention_mask[:, attention_mask.shape[-1] - inputs_embeds.shape[1] :]
+            # a copy: the slice's strides follow the growing mask, which a compiled step would recompile for
+            # (transformers < 5.2x passes the result on as it is)
+            return attention_mask[:, attention_mask.shape[-1] - inputs_embeds.shape[1] :].clone(
+                memory_format=torch.contiguous_format
+            )
         return create_masks_for_generate(config, inputs_embeds, attention_mask, past_key_values, *args, **kwargs)
 
     def prepare_inputs_for_generation(

@@ -718,8 +718,9 @@ class NPRFModelMixin:
             from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
         except ImportError:  # transformers versions that read `_can_record_outputs` from the model itself
             pass
-        else:
-            _CAN_RECORD_REGISTRY[model] = cls._can_record_outputs
+        else:  # keyed by str(class): a `_CanRecordRegistry` takes the model (5.2x), a plain dict the key itself
+            key = str(cls) if type(_CAN_RECORD_REGISTRY) is dict else model
+            _CAN_RECORD_REGISTRY[key] = cls._can_record_outputs
         model._nprf_layers()
         return model
 
@@ -827,7 +828,8 @@ class NPRFModelMixin:
             # decode step needs only the band's coefficients (a [H, 2 Lk - 1] bias would cost O(context))
             if (
                 reference is not None
-                and not (self.training and self.is_activation_checkpointing)
+                # transformers' own property is `is_activation_checkpointing` from 5.2x on, `is_gradient_checkpointing` before
+                and not (self.training and any(getattr(m, "gradient_checkpointing", False) for m in self.modules()))
                 and find_nprf_cache(past) is None
             ):
                 arguments["rpe_bias"] = relative_position_bias(

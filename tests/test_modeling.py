@@ -391,6 +391,14 @@ def test_trainer_lowers_the_loss(tmp_path):
     assert losses[-1] < 0.5 * losses[0], losses
 
 
+def enable_checkpointing(model, use_reentrant):
+    """transformers 5.2x names it activation checkpointing; earlier 5.x only has the gradient_checkpointing_* names."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+
+
 @pytest.mark.parametrize("use_reentrant", [True, False])
 def test_gradient_checkpointing_gives_the_same_gradients(use_reentrant):
     torch.manual_seed(0)
@@ -401,7 +409,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(use_reentrant):
     model(**inputs).loss.backward()
     reference = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    enable_checkpointing(model, use_reentrant)
     assert model.bert.encoder.layer[0].gradient_checkpointing
     model(**inputs).loss.backward()
     for name, grad in reference.items():
@@ -421,7 +429,7 @@ def test_attention_recompute_gives_the_same_gradients(checkpointing):
         randomize_rpe(model)
         model.train()
         if checkpointing is not None:
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": checkpointing})
+            enable_checkpointing(model, checkpointing)
         model(**inputs).loss.backward()
         grads[mode] = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
     assert grads["never"].keys() == grads["always"].keys() and any("rpe_table" in name for name in grads["never"])
