@@ -37,6 +37,9 @@ from nprf_hf import functional as Fn
 from nprf_hf import nprf_banded, nprf_fft
 from nprf_hf.options import RECOMPUTE_MODES
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from long_sequence import DTYPES  # noqa: E402  (the benchmarks' one list of dtypes)
+
 
 ALGORITHMS = ("dense", "fft", "banded", "auto")
 
@@ -91,9 +94,6 @@ def measure_peak(fn, device):
     fn()
     sync(device)
     return read_peak(device, start)
-
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def matmul_gflops(device, size=2048, dtype=torch.float32):
@@ -183,6 +183,8 @@ def main(argv=None):
     parser.add_argument("--compile", action="store_true", help="torch.compile SDPA and nprf_attention (default: eager)")
     parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS,
                         help="NPRF algorithms to time (default: all; the speed-up column needs auto)")
+    parser.add_argument("--matmul-size", type=int, default=2048,
+                        help="side of the square matmul whose rate is the floor's reference (default: %(default)s)")
     parser.add_argument("--skip-memory", action="store_true", help="times only (no peak-memory pass in a child process)")
     parser.add_argument("--memory-budget-gb", type=float, default=12.0,
                         help="skip dense beyond this memory estimate (default: %(default)s)")
@@ -211,7 +213,7 @@ def main(argv=None):
         "torch": torch.__version__,
         "dtype": args.dtype,
         "compiled": args.compile,
-        "matmul_gflops": None if args.memory_pass else matmul_gflops(device, dtype=dtype),
+        "matmul_gflops": None if args.memory_pass else matmul_gflops(device, args.matmul_size, dtype),
     }
     if not args.memory_pass:
         print(f"# B={b} H={h} d={d} m={m} device={device} dtype={args.dtype} compiled={args.compile} "

@@ -32,6 +32,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from nprf_hf import convert_to_nprf  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from long_sequence import DTYPES  # noqa: E402  (the benchmarks' one list of dtypes)
+
 
 SIZES = {
     "minilm": dict(num_hidden_layers=6, hidden_size=384, num_attention_heads=12, intermediate_size=1536),
@@ -49,9 +52,6 @@ def padded_batch(batch, length, vocab_size, seed=0, pad_token_id=0):
     input_ids = torch.randint(5, vocab_size, (batch, length), generator=generator)
     attention_mask = (torch.arange(length)[None, :] < lengths[:, None]).long()
     return input_ids.masked_fill(attention_mask == 0, pad_token_id), attention_mask
-
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def sync(device):

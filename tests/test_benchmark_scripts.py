@@ -159,6 +159,7 @@ def test_attention_benchmark_runs_a_chosen_dtype_and_subset_of_algorithms(tmp_pa
     out = str(tmp_path / "attention.json")
     attention.main(["--lengths", "64", "--heads", "2", "--head-dim", "8", "--features", "4", "--threads", "1",
                     "--min-time", "0", "--dtype", "bfloat16", "--algorithms", "auto", "dense", "--skip-memory",
+                    "--matmul-size", "64",  # a 2048-wide bf16 matmul takes a minute on a CPU without bf16 units
                     "--output", out])
     saved = json.loads(open(out).read())
     assert saved["machine"]["dtype"] == "bfloat16" and saved["machine"]["compiled"] is False

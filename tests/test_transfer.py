@@ -184,13 +184,19 @@ def test_read_transfer_texts_from_a_glue_task_folder_and_a_text_file(tmp_path):
     assert nprf_hf.read_transfer_texts(str(path)) == ["first line", "second line"]
 
 
-def test_cli_convert_with_attention_transfer(tokenizer, tmp_path, capsys):
+def saved_source_and_texts(tokenizer, tmp_path):
+    """(source folder of a tiny BERT + its tokenizer, the BERT, a text file of TEXTS) for the CLI."""
     source = str(tmp_path / "source")
     teacher = tiny_bert(tokenizer)
     teacher.save_pretrained(source)
     tokenizer.save_pretrained(source)
     text = tmp_path / "texts.txt"
     text.write_text("\n".join(TEXTS) + "\n")
+    return source, teacher, text
+
+
+def test_cli_convert_with_attention_transfer(tokenizer, tmp_path, capsys):
+    source, teacher, text = saved_source_and_texts(tokenizer, tmp_path)
     out = str(tmp_path / "out")
     code = cli_main([
         "convert", source, out, "--num-random-features", "16", "--attention-transfer-text", str(text),
@@ -210,12 +216,7 @@ def test_cli_convert_with_attention_transfer(tokenizer, tmp_path, capsys):
 
 
 def test_cli_convert_trains_on_the_device_given_and_refuses_bad_devices(tokenizer, tmp_path, capsys):
-    source = str(tmp_path / "source")
-    teacher = tiny_bert(tokenizer)
-    teacher.save_pretrained(source)
-    tokenizer.save_pretrained(source)
-    text = tmp_path / "texts.txt"
-    text.write_text("\n".join(TEXTS) + "\n")
+    source, _, text = saved_source_and_texts(tokenizer, tmp_path)
     common = ["--num-random-features", "16", "--attention-transfer-text", str(text), "--attention-transfer-steps", "2",
               "--attention-transfer-batch-size", "4"]
     assert cli_main(["convert", source, str(tmp_path / "cpu"), *common]) == 0
