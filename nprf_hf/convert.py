@@ -412,6 +412,9 @@ def _convert(
             param.copy_(bias.to(param.dtype))
 
     training = transfer_texts is not None or long_context_texts is not None
+    if device is not None and not training:
+        raise ValueError("device= sets where attention transfer and the long-context recipe train: pass "
+                         "transfer_texts or long_context_texts, or leave device out")
     source_device = next(source.parameters()).device
     if training and device is not None:
         source.to(device)

@@ -216,7 +216,7 @@ def test_cli_convert_with_attention_transfer(tokenizer, tmp_path, capsys):
 
 
 def test_cli_convert_trains_on_the_device_given_and_refuses_bad_devices(tokenizer, tmp_path, capsys):
-    source, _, text = saved_source_and_texts(tokenizer, tmp_path)
+    source, teacher, text = saved_source_and_texts(tokenizer, tmp_path)
     common = ["--num-random-features", "16", "--attention-transfer-text", str(text), "--attention-transfer-steps", "2",
               "--attention-transfer-batch-size", "4"]
     assert cli_main(["convert", source, str(tmp_path / "cpu"), *common]) == 0
@@ -232,6 +232,8 @@ def test_cli_convert_trains_on_the_device_given_and_refuses_bad_devices(tokenize
     assert cli_main(["convert", source, str(tmp_path / "bad"), "--device", "cpu"]) == 2
     assert "--device sets where attention transfer" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "bad")
+    with pytest.raises(ValueError, match="device= sets where"):
+        nprf_hf.convert_to_nprf(teacher, tokenizer=tokenizer, device="cpu")
 
 
 @pytest.mark.skipif(not os.path.isdir(GLUE), reason="shared GLUE data not present")
