@@ -38,15 +38,10 @@ from nprf_hf import nprf_banded, nprf_fft
 from nprf_hf.options import RECOMPUTE_MODES
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from long_sequence import DTYPES  # noqa: E402  (the benchmarks' one list of dtypes)
+from long_sequence import DTYPES, synchronize  # noqa: E402  (the benchmarks' one list of dtypes)
 
 
 ALGORITHMS = ("dense", "fft", "banded", "auto")
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def rss_bytes():
@@ -76,12 +71,12 @@ def read_peak(device, start):
 def measure_time(fn, device, min_time=1.0, max_repeats=5):
     """Median wall time of fn() after one warm-up call."""
     fn()
-    sync(device)
+    synchronize(device)
     times = []
     while len(times) < max_repeats and (len(times) < 2 or sum(times) < min_time):
         tic = time.perf_counter()
         fn()
-        sync(device)
+        synchronize(device)
         times.append(time.perf_counter() - tic)
         if times[0] > 10 * min_time:
             break
@@ -92,7 +87,7 @@ def measure_peak(fn, device):
     """Peak memory of one call of fn() above what was in use before it."""
     start = reset_peak(device)
     fn()
-    sync(device)
+    synchronize(device)
     return read_peak(device, start)
 
 

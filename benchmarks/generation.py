@@ -55,7 +55,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from long_sequence import DTYPES, PeakMemory, machine_description  # noqa: E402
+from long_sequence import DTYPES, PeakMemory, machine_description, synchronize  # noqa: E402
 
 
 VARIANTS = ("nprf", "softmax", "nprf_kv", "nprf_static", "nprf_compiled")
@@ -117,11 +117,6 @@ def cache_bytes_per_layer(cache):
     return sum(t.numel() * t.element_size() for t in (layer.keys, layer.values) if t is not None)
 
 
-def _synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def measure_point(variant, context, args):
     """Prefill `context` random tokens, decode args.new_tokens greedily -> result dict."""
     torch.set_num_threads(args.threads)
@@ -139,26 +134,26 @@ def measure_point(variant, context, args):
         options = {} if args.compile_mode is None else {"mode": args.compile_mode}
         step = torch.compile(model, fullgraph=True, dynamic=False, backend=args.compile_backend, **options)
     with torch.inference_mode():
-        _synchronize(device)
+        synchronize(device)
         start = time.perf_counter()
         out = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)  # as generate(): last logits only
         token = out.logits[:, -1:].argmax(-1)
-        _synchronize(device)
+        synchronize(device)
         prefill = time.perf_counter() - start
         del out
-        _synchronize(device)
+        synchronize(device)
         start = time.perf_counter()
         for _ in range(args.warmup_tokens):  # untimed: first calls pay one-off costs (the compile, if any)
             token = step(token, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
-        _synchronize(device)
+        synchronize(device)
         warmup = time.perf_counter() - start
         times = []
         with PeakMemory(device) as memory:
             for _ in range(args.new_tokens):
-                _synchronize(device)
+                synchronize(device)
                 start = time.perf_counter()
                 token = step(token, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
-                _synchronize(device)
+                synchronize(device)
                 times.append(time.perf_counter() - start)
     compiled = {}
     if variant == "nprf_compiled":

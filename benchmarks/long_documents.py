@@ -48,6 +48,9 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from long_sequence import synchronize  # noqa: E402
+
 
 DEFAULT_OUTPUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runs", "benchmarks", "long_documents")
 DEFAULT_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "shared", "data", "wikitext-2")
@@ -193,11 +196,6 @@ def top1(query_embeddings, document_embeddings, owners):
     """Fraction of queries whose most similar document is their own (query i <-> document owners[i])."""
     best = (query_embeddings @ document_embeddings.T).argmax(-1).cpu()
     return float((best == torch.tensor(owners)).float().mean())
-
-
-def synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def run_method(name, model, tokenizer, documents, queries, owners, args):

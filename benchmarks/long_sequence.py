@@ -92,6 +92,14 @@ DEFAULT_VARIANTS = VARIANTS[:4]
 MODES = ("forward", "train")
 FLOOR_ATTENTION = "nprf_benchmark_floor"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def synchronize(device):
+    """Wait for the device's queued work (CUDA runs asynchronously: a host clock read needs it)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 # a scratch folder (git-ignored): a trial run must not overwrite the README's committed plot; --output publishes
 DEFAULT_OUTPUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runs", "benchmarks", "long_sequence")
 
@@ -239,8 +247,7 @@ def measure_point(variant, mode, n, args, max_length):
             model.zero_grad(set_to_none=True)
             hidden = model(input_ids=input_ids).last_hidden_state
             hidden.float().pow(2).mean().backward()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            synchronize(device)
 
     compiled = {}
     if args.compile:

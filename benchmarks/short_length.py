@@ -33,7 +33,7 @@ sys.path.insert(0, ROOT)
 from nprf_hf import convert_to_nprf  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from long_sequence import DTYPES  # noqa: E402  (the benchmarks' one list of dtypes)
+from long_sequence import DTYPES, synchronize  # noqa: E402  (the benchmarks' one list of dtypes)
 
 
 SIZES = {
@@ -54,11 +54,6 @@ def padded_batch(batch, length, vocab_size, seed=0, pad_token_id=0):
     return input_ids.masked_fill(attention_mask == 0, pad_token_id), attention_mask
 
 
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def step(model, inputs, train):
     if not train:
         with torch.inference_mode():
@@ -67,21 +62,21 @@ def step(model, inputs, train):
     model(**inputs).last_hidden_state.sum().backward()
 
 
-def time_pair(models, inputs, train, repeats, device=torch.device("cpu")):
-    """Median seconds of each model, runs alternating (two warm-ups each first: a compiled model may compile
-    again on its second call)."""
+def time_pair(models, inputs, train, repeats, device=torch.device("cpu"), warmups=1):
+    """Median seconds of each model, runs alternating (`warmups` untimed runs each first: a compiled model may
+    compile again on its second call)."""
     for model in models.values():
         model.train(train)
-        for _ in range(2):
+        for _ in range(warmups):
             step(model, inputs, train)
             model.zero_grad(set_to_none=True)
     times = {name: [] for name in models}
     for _ in range(repeats):
         for name, model in models.items():
-            sync(device)
+            synchronize(device)
             start = time.perf_counter()
             step(model, inputs, train)
-            sync(device)
+            synchronize(device)
             times[name].append(time.perf_counter() - start)
             model.zero_grad(set_to_none=True)
     return {name: statistics.median(values) for name, values in times.items()}
@@ -114,6 +109,7 @@ def main(argv=None):
         parser.error(f"--dropout takes probabilities in [0, 1), got {args.dropout}")
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    warmups = 2 if args.compile else 1
     if args.compile:
         # dropout changes and train/eval switches retrace: keep them compiled instead of falling back to eager
         torch._dynamo.config.cache_size_limit = 64
@@ -135,13 +131,14 @@ def main(argv=None):
         for batch, length in points:
             input_ids, attention_mask = padded_batch(batch, length, config.vocab_size)
             inputs = {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device)}
-            forward = time_pair(models, inputs, train=False, repeats=args.repeats, device=device)  # eval: no dropout
+            forward = time_pair(models, inputs, train=False, repeats=args.repeats, device=device,
+                                warmups=warmups)  # eval mode: no dropout
             for probability in args.dropout:
                 for model in models.values():
                     for module in model.modules():
                         if isinstance(module, torch.nn.Dropout):
                             module.p = probability
-                training = time_pair(models, inputs, train=True, repeats=args.repeats, device=device)
+                training = time_pair(models, inputs, train=True, repeats=args.repeats, device=device, warmups=warmups)
                 row = {
                     "size": size, "batch": batch, "length": length, "dropout": probability,
                     "forward_s": forward, "train_step_s": training,

@@ -281,9 +281,9 @@ def test_short_length_benchmark_casts_both_models_to_the_dtype(tmp_path, monkeyp
     seen = []
     original = short_length.time_pair
 
-    def spy(models, inputs, train, repeats, device=torch.device("cpu")):
+    def spy(models, inputs, train, repeats, **options):
         seen.append({name: next(model.parameters()).dtype for name, model in models.items()})
-        return original(models, inputs, train, repeats, device)
+        return original(models, inputs, train, repeats, **options)
 
     monkeypatch.setattr(short_length, "time_pair", spy)
     result = short_length.main(["--sizes", "minilm", "--points", "2x16", "--repeats", "1", "--threads", "1",
