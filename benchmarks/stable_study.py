@@ -75,6 +75,8 @@ SIZES["tiny"] = dict(config={"hidden_size": 32, "num_hidden_layers": 1, "num_att
                              "num_random_features": 8}, block_size=32, batch_size=4, learning_rate=1e-3,
                      high_learning_rate=1e-2)  # for the script's own test
 SWAP_FEATURES = (16, 32, 64, 128)
+# part b's conditions -> (the size's learning-rate key, run_clm's --mixed_precision)
+STABILITY_CONDITIONS = {"high-lr": ("high_learning_rate", "no"), "bf16": ("learning_rate", "bf16")}
 
 
 def train_tokenizer(train_file, vocab_size, folder):
@@ -237,6 +239,8 @@ def main(argv=None):
     parser.add_argument("--parts", nargs="+", choices=sorted(PART_ARMS), default=["a", "b", "c"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     parser.add_argument("--arms", nargs="+", choices=list(ARMS), help="only these arms of each part (default: all)")
+    parser.add_argument("--conditions", nargs="+", choices=sorted(STABILITY_CONDITIONS), default=list(STABILITY_CONDITIONS),
+                        help="part b: only these conditions (default: both)")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--size", choices=sorted(SIZES), default="cpu")
     parser.add_argument("--vocab-size", type=int, default=8000)
@@ -276,9 +280,10 @@ def main(argv=None):
                 report["a"].append(summary(base_runs[arm, seed], arm=arm, seed=seed))
     if "b" in args.parts:
         for arm in part_arms["b"]:
-            for condition, lr, precision in (("high-lr", size["high_learning_rate"], "no"),
-                                             ("bf16", size["learning_rate"], "bf16")):
-                run = run_clm(args, f"b-{arm}-{condition}-s{args.seeds[0]}", arm, args.seeds[0], tokenizer, lr, precision)
+            for condition in args.conditions:
+                rate, precision = STABILITY_CONDITIONS[condition]
+                run = run_clm(args, f"b-{arm}-{condition}-s{args.seeds[0]}", arm, args.seeds[0], tokenizer, size[rate],
+                              precision)
                 report["b"].append(summary(run, arm=arm, condition=condition, seed=args.seeds[0],
                                            unstable=diverged(run, args.spike)))
     if "c" in args.parts:

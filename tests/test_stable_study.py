@@ -57,3 +57,5 @@ def test_study_runs_every_part_and_resumes(study, tmp_path):
     again = study.main(argv)
     assert [os.path.getmtime(path) for path in finished] == stamps
     assert again["c"][1]["swapped"] == report["c"][1]["swapped"]
+    only_bf16 = study.main(argv + ["--parts", "b", "--conditions", "bf16"])  # the later --parts wins
+    assert [(r["arm"], r["condition"]) for r in only_bf16["b"]] == [("softmax", "bf16")] and not only_bf16["a"]
