@@ -648,10 +648,11 @@ class NPRFPreTrainedMixin:
             changed = [name for name in asked if nprf and name in saved and requested[name] != saved[name]]
             if changed:
                 values = ", ".join(f"{name}={requested[name]!r} (saved: {saved[name]!r})" for name in changed)
+                flags = " ".join(f"--{name.replace('_', '-')} {requested[name]}" for name in changed)
                 raise ValueError(
                     f"{values}: the model's weights were made with the saved value (e.g. the random projection and "
                     "the RPE table are saved with them), so it cannot change at load; load without it, or convert "
-                    "the softmax source again with the new value (`nprf-hf convert SRC OUT --num-random-features M ...`)"
+                    f"the softmax source again with the new value (`nprf-hf convert SRC OUT {flags}`)"
                 )
         # AutoModel hands a requested implementation over inside the config, a direct call as a keyword
         implementation = kwargs.get("attn_implementation") or getattr(config, "_attn_implementation_internal", None)
