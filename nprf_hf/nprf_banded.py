@@ -2,11 +2,15 @@
 """The banded algorithm: C = far constants + a band of width W, in O(n (W + m e)). Exact for a bias that is
 constant beyond the band (T5's buckets are: `nprf_positions.rpe_band_width`).
 
-Execution modes side by side: eager autograd through two autograd.Functions that work a group of chunks at a
-time in cache (`_BandWindowProduct`, `_FarStates`), torch.compile through whole-tensor ops that inductor
-can trace (`_band_window_product`, `_far_states`), and the backward alone from the inputs, a sequence at a time
-(`banded_toeplitz_backward`, for the lean training mode of `nprf_banded_recompute`).
+Execution modes side by side: the near product (the band) is one custom op with its backward, eager kernels that
+work a group of chunks at a time in cache, which torch.compile keeps opaque (`band_window_product`); the far sums
+are an autograd.Function eagerly (`_FarStates`) and whole-tensor ops under torch.compile (`_far_states`); the
+backward alone from the inputs runs a sequence at a time (`banded_toeplitz_backward`, for the lean training mode of
+`nprf_banded_recompute`).
 """
+
+import itertools
+import re
 
 import torch
 import torch.nn.functional as F
@@ -44,19 +48,17 @@ def banded_toeplitz_attention(phi_q, phi_k, value, c, band_width, causal):
 
     # Near part. Query a and window key w are at distance r = w - R s - a; one [H, s, window]
     # coefficient block serves every chunk (clamped entries only ever meet zero keys).
-    # The autograd.Functions loop over groups of chunks and write into strided `out=` views, which dynamo
-    # cannot trace (and would unroll per chunk); compiled, the same products are traced as whole-tensor ops,
-    # and the block is built without a gather (`diagonals`): c extended by its edge values is c clamped.
+    # Compiled, the block is built without a gather (`diagonals`: inductor can miscompile a gather's backward,
+    # see there): c extended by its edge values is c clamped.
     compiling = torch.compiler.is_compiling()
     if compiling:
         edge = (reach + 1) * chunk
         extended = torch.cat([c[:, :1].expand(-1, edge), c, c[:, -1:].expand(-1, edge)], dim=-1)
         start = n - (reach + 1) * chunk + edge
         coefficients = diagonals(extended[:, start : start + chunk + window - 1], chunk, window)
-        out = _band_window_product(q_chunks, k_rows, u_rows, coefficients)
     else:
         coefficients = c[:, _coefficient_index(n, chunk, reach, window, c.device)]
-        out = _BandWindowProduct.apply(q_chunks, k_rows, u_rows, coefficients)
+    out = band_window_product(q_chunks, k_rows, u_rows, coefficients)
 
     # Far part: chunk k gets c_far^- times the states of chunks <= k-R-1 (and c_far^+ times those >= k+R+1).
     states = _chunk_states(k_rows, u_rows, chunk).view(batch, heads, -1, m * e)
@@ -159,28 +161,6 @@ def _sequence_backward(phi_q, phi_k, value, c, reach, chunk, causal, grad_out, n
     )
 
 
-def _band_window_product(q, k_rows, u_rows, coefficients):
-    """`_BandWindowProduct` in whole-tensor ops (for torch.compile; autograd derives the backward): all
-    chunks' [s, window] weights at once instead of a group at a time."""
-    heads, chunk, window = coefficients.shape
-    sequences = k_rows.shape[0]
-    k_windows = _chunk_windows(k_rows, chunk, window // chunk)  # [B*H, chunks, window, m]
-    u_windows = _chunk_windows(u_rows, chunk, window // chunk)  # [B*H, chunks, window, e]
-    weights = q.view(sequences, -1, chunk, q.shape[-1]) @ k_windows.transpose(-1, -2)  # [B*H, chunks, s, window]
-    weights = weights.view(-1, heads, *weights.shape[1:]) * coefficients[:, None]  # sequence b*H + h has head h
-    return (weights.view(sequences, *weights.shape[2:]) @ u_windows).view(q.shape[0], chunk, u_rows.shape[-1])
-
-
-def _chunk_windows(rows, chunk, width):
-    """[B*H, chunks, width * s, f]: chunk k's window, rows k s .. (k + width) s of rows [B*H, (chunks + width - 1) s,
-    f], as whole chunks side by side. Not `unfold`: inductor (torch 2.13, CPU, more than one thread) computes the
-    backward of overlapping windows wrong."""
-    sequences, length, features = rows.shape
-    chunks = rows.view(sequences, length // chunk, chunk, features)
-    count = length // chunk - width + 1
-    return torch.cat([chunks[:, offset : offset + count] for offset in range(width)], dim=2)
-
-
 def _far_states(states, c_before, c_after, num_chunks, reach):
     """`_FarStates` in whole-tensor ops (for torch.compile): prefix and suffix sums through cumsum."""
     heads = states.shape[1]
@@ -194,38 +174,82 @@ def _far_states(states, c_before, c_after, num_chunks, reach):
     return far
 
 
-class _BandWindowProduct(torch.autograd.Function):
+def _free_library(base, op):
+    """`base`, or `base` with the first free number appended, where `op` is not registered yet: a second copy of
+    this module (the package loaded again as remote code, or the same file run again) registers ops of its own."""
+    for index in itertools.count():
+        library = f"{base}{index or ''}"
+        if not hasattr(getattr(torch.ops, library), op):
+            return library
+
+
+# torch.compile sees the near product, forward and backward, as two opaque ops that run the eager kernels (a group
+# of chunks at a time, in cache): traced as whole-tensor ops it computed every chunk's weights at once and ran 5-6%
+# slower than eager at 4k-16k tokens.
+_LIBRARY = _free_library(re.sub(r"\W", "_", __name__), "band_window_product")
+
+
+@torch.library.custom_op(f"{_LIBRARY}::band_window_product", mutates_args=())
+def band_window_product(
+    q: torch.Tensor, k_rows: torch.Tensor, u_rows: torch.Tensor, coefficients: torch.Tensor
+) -> torch.Tensor:
     """out[k] = ((q[k] @ K_k) * coefficients) @ U_k for every chunk k, K_k / U_k its window of keys.
 
     q: [B*H*chunks, s, m]; k_rows: [B*H, rows, m], u_rows: [B*H, rows, e] with chunk k's window at
-    rows k*s .. k*s + window of its head; coefficients: [H, s, window]. The [chunks, s, window]
-    weights are the largest tensors of the banded algorithm: forward scales them in place, a group of
-    chunks at a time so that they stay in cache, and backward recomputes them instead of keeping them.
+    rows k*s .. k*s + window of its head; coefficients: [H, s, window]. Returns [B*H*chunks, s, e]. The
+    [chunks, s, window] weights are the largest tensors of the banded algorithm: they are scaled in place, a group
+    of chunks at a time so that they stay in cache, and backward recomputes them instead of keeping them.
     """
+    heads, chunk, window = coefficients.shape
+    sequences = k_rows.shape[0]
+    num_chunks = q.shape[0] // sequences
+    k_windows = k_rows.unfold(1, window, chunk)  # [B*H, chunks, m, window], a view
+    u_windows = u_rows.unfold(1, window, chunk).transpose(-1, -2)  # [B*H, chunks, window, e]
+    out = q.new_empty(q.shape[0], chunk, u_rows.shape[-1])
+    buffer = q.new_empty(min(BANDED_GROUP, num_chunks), chunk, window)  # reused: no allocation per group
+    for sequence, first, last, rows in _chunk_groups(sequences, num_chunks):
+        weights = torch.bmm(q[rows], k_windows[sequence, first:last], out=buffer[: last - first])
+        torch.bmm(weights.mul_(coefficients[sequence % heads]), u_windows[sequence, first:last], out=out[rows])
+    return out
 
-    @staticmethod
-    def forward(ctx, q, k_rows, u_rows, coefficients):
-        heads, chunk, window = coefficients.shape
-        sequences = k_rows.shape[0]
-        num_chunks = q.shape[0] // sequences
-        k_windows = k_rows.unfold(1, window, chunk)  # [B*H, chunks, m, window], a view
-        u_windows = u_rows.unfold(1, window, chunk).transpose(-1, -2)  # [B*H, chunks, window, e]
-        out = q.new_empty(q.shape[0], chunk, u_rows.shape[-1])
-        buffer = q.new_empty(min(BANDED_GROUP, num_chunks), chunk, window)  # reused: no allocation per group
-        for sequence, first, last, rows in _chunk_groups(sequences, num_chunks):
-            weights = torch.bmm(q[rows], k_windows[sequence, first:last], out=buffer[: last - first])
-            torch.bmm(weights.mul_(coefficients[sequence % heads]), u_windows[sequence, first:last], out=out[rows])
-        ctx.save_for_backward(q, k_rows, u_rows, coefficients)
-        return out
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k_rows, u_rows, coefficients = ctx.saved_tensors
-        return _band_window_backward(q, k_rows, u_rows, coefficients, grad_out, ctx.needs_input_grad[3])
+@band_window_product.register_fake
+def _(q, k_rows, u_rows, coefficients):
+    return q.new_empty(q.shape[0], coefficients.shape[1], u_rows.shape[-1])
+
+
+@torch.library.custom_op(f"{_LIBRARY}::band_window_product_backward", mutates_args=())
+def band_window_product_backward(
+    q: torch.Tensor, k_rows: torch.Tensor, u_rows: torch.Tensor, coefficients: torch.Tensor, grad_out: torch.Tensor,
+    needs_coefficients: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad q, k_rows, u_rows, coefficients) of `band_window_product`; the last is empty unless
+    `needs_coefficients`."""
+    grads = _band_window_backward(q, k_rows, u_rows, coefficients, grad_out, needs_coefficients)
+    return (*grads[:3], grads[3] if needs_coefficients else coefficients.new_empty(0))
+
+
+@band_window_product_backward.register_fake
+def _(q, k_rows, u_rows, coefficients, grad_out, needs_coefficients):
+    grad_coefficients = torch.empty_like(coefficients) if needs_coefficients else coefficients.new_empty(0)
+    return torch.empty_like(q), torch.empty_like(k_rows), torch.empty_like(u_rows), grad_coefficients
+
+
+def _save_band_window_inputs(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _band_window_product_grad(ctx, grad_out):
+    needs_coefficients = ctx.needs_input_grad[3]
+    grads = band_window_product_backward(*ctx.saved_tensors, grad_out, needs_coefficients)
+    return (*grads[:3], grads[3] if needs_coefficients else None)
+
+
+band_window_product.register_autograd(_band_window_product_grad, setup_context=_save_band_window_inputs)
 
 
 def _band_window_backward(q, k_rows, u_rows, coefficients, grad_out, needs_coefficients):
-    """(grad q, k_rows, u_rows, coefficients or None) of `_BandWindowProduct` for grad_out [B*H*chunks, s, e]."""
+    """(grad q, k_rows, u_rows, coefficients or None) of `band_window_product` for grad_out [B*H*chunks, s, e]."""
     heads, chunk, window = coefficients.shape
     sequences = k_rows.shape[0]
     num_chunks = q.shape[0] // sequences

@@ -683,3 +683,38 @@ def test_auto_keeps_dense_to_about_1_6_windows():
         (384, False): "dense", (384, True): "dense", (512, False): "dense", (512, True): "dense",
         (768, False): "banded", (768, True): "banded",
     }
+
+
+def test_band_window_product_op_registration():
+    """The near product's custom op: schema, fake tensor (what torch.compile traces) and autograd registration
+    agree with the eager kernel (torch.library.opcheck), with and without the coefficients' gradient."""
+    generator = torch.Generator().manual_seed(0)
+    heads, sequences, chunk, chunks, m, e = 2, 4, 3, 5, 4, 3
+    window = 3 * chunk
+    q = torch.randn(sequences * chunks, chunk, m, dtype=torch.float64, generator=generator, requires_grad=True)
+    k_rows = torch.randn(sequences, (chunks + 2) * chunk, m, dtype=torch.float64, generator=generator, requires_grad=True)
+    u_rows = torch.randn(sequences, (chunks + 2) * chunk, e, dtype=torch.float64, generator=generator, requires_grad=True)
+    for trained in (True, False):
+        coefficients = torch.rand(heads, chunk, window, dtype=torch.float64, generator=generator).requires_grad_(trained)
+        torch.library.opcheck(nprf_banded.band_window_product, (q, k_rows, u_rows, coefficients))
+    grad_out = torch.randn(sequences * chunks, chunk, e, dtype=torch.float64, generator=generator)
+    for needs in (True, False):
+        torch.library.opcheck(nprf_banded.band_window_product_backward,
+                              (q.detach(), k_rows.detach(), u_rows.detach(), coefficients.detach(), grad_out, needs))
+
+
+def test_a_second_copy_of_the_banded_module_registers_its_own_ops():
+    """Remote code can load the package's files again under the same module name: the second copy's ops get a
+    free library name instead of failing to register, and compute the same."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(nprf_banded.__name__, nprf_banded.__file__)
+    copy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(copy)
+    assert copy._LIBRARY != nprf_banded._LIBRARY and copy._LIBRARY.startswith(nprf_banded._LIBRARY)
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randn(6, 2, 3, generator=generator)
+    k_rows, u_rows = torch.randn(2, 10, 3, generator=generator), torch.randn(2, 10, 4, generator=generator)
+    coefficients = torch.rand(1, 2, 6, generator=generator)
+    torch.testing.assert_close(copy.band_window_product(q, k_rows, u_rows, coefficients),
+                               nprf_banded.band_window_product(q, k_rows, u_rows, coefficients), rtol=0, atol=0)

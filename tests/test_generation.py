@@ -127,9 +127,8 @@ def test_cached_decoding_equals_the_full_forward_float64(algorithm, prompt_lengt
     mask[:, prompt:] = 1
     full = model(input_ids, attention_mask=mask, use_cache=False).logits
     band_products = []
-    original = nprf_banded._BandWindowProduct.apply
-    spy = staticmethod(lambda *args: band_products.append(1) or original(*args))
-    monkeypatch.setattr(nprf_banded._BandWindowProduct, "apply", spy)
+    original = nprf_banded.band_window_product
+    monkeypatch.setattr(nprf_banded, "band_window_product", lambda *args: band_products.append(1) or original(*args))
     logits, cache = decode_logits(model, input_ids, mask, prompt)
     assert bool(band_products) == (algorithm == "banded" and prompt > 48)  # the banded prefill used its band
     assert isinstance(cache, NPRFCache) and cache.get_seq_length() == prompt + new
