@@ -6,7 +6,9 @@ its inputs, its output z and the denominators [B, H, n, 1].
 Activation checkpointing of the whole call (what `recompute` does for the other algorithms) would run the product's
 forward twice. Backward here rebuilds only the features (two [n, d] x [d, m] matmuls and an exp per head), and the
 product's backward (`banded_toeplitz_backward`) needs its inputs, not its output: from z and the denominators the
-gradient of the normalization is known, so the product's forward is never run again.
+gradient of the normalization is known, so the product's forward is never run again. The Toeplitz coefficients
+c = exp(b - max b) are rebuilt too: the bias b is the base model's, one tensor for every layer, while a c kept per
+layer would cost [H, 2n - 1] in each (1.5 MiB at 16k tokens, what kept training memory above SDPA's).
 """
 
 import torch
@@ -33,10 +35,9 @@ def banded_attention_recomputed(query, key, value, bias, projection, key_padding
     same view): the models' transpose back to [B, n, H * d] is then free, and the output projection keeps for its
     own backward the very tensor kept here."""
     dtype = compute_dtype(query.dtype)
-    c, shift = toeplitz_coefficients(bias)
     mask = None if key_padding_mask is None else key_padding_mask.to(device=query.device, dtype=dtype)
-    setup = (mask, terms, shift, band_width, causal, variant)
-    return _KeptOutputAttention.apply(setup, query, key, value, c, projection, *terms.tensors())
+    setup = (mask, terms, band_width, causal, variant)
+    return _KeptOutputAttention.apply(setup, query, key, value, bias, projection, *terms.tensors())
 
 
 def _product(phi_q, phi_k, value, c, shift, terms, band_width, causal, product):
@@ -48,16 +49,17 @@ def _product(phi_q, phi_k, value, c, shift, terms, band_width, causal, product):
 
 
 class _KeptOutputAttention(torch.autograd.Function):
-    """z = numerator / denominator of the banded product of (query, key, value, c, projection, term tensors), see
-    `banded_attention_recomputed`; setup: (mask, terms, shift, band_width, causal, variant)."""
+    """z = numerator / denominator of the banded product of (query, key, value, bias, projection, term tensors),
+    see `banded_attention_recomputed`; setup: (mask, terms, band_width, causal, variant)."""
 
     @staticmethod
-    def forward(ctx, setup, query, key, value, c, projection, *term_tensors):
-        mask, terms, shift, band_width, causal, variant = setup
+    def forward(ctx, setup, query, key, value, bias, projection, *term_tensors):
+        mask, terms, band_width, causal, variant = setup
         dtype = compute_dtype(query.dtype)
+        c, shift = toeplitz_coefficients(bias)
         phi_q, phi_k = query_key_features(query, key, projection, mask, dtype, terms.logit_scale, variant=variant)
         out = _product(phi_q, phi_k, value.to(dtype), c, shift, terms, band_width, causal, banded_toeplitz_attention)
-        del phi_q, phi_k
+        del phi_q, phi_k, c
         denominator = kept_denominator(out[..., -1:], rows_with_keys(mask, causal))
         batch, heads, n, _ = query.shape
         if query.transpose(1, 2).is_contiguous():
@@ -66,22 +68,23 @@ class _KeptOutputAttention(torch.autograd.Function):
             z = out.new_empty(batch, heads, n, value.shape[-1])
         z = torch.div(out[..., :-1], denominator, out=z).to(query.dtype)
         ctx.setup = setup
-        ctx.save_for_backward(query, key, value, c, projection, z, denominator, *term_tensors)
+        ctx.save_for_backward(query, key, value, bias, projection, z, denominator, *term_tensors)
         return z
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_z):
-        mask, terms, shift, band_width, causal, variant = ctx.setup
-        query, key, value, c, projection, z, denominator, *term_tensors = ctx.saved_tensors
+        mask, terms, band_width, causal, variant = ctx.setup
+        query, key, value, bias, projection, z, denominator, *term_tensors = ctx.saved_tensors
         dtype = denominator.dtype
         grad_out = _normalization_backward(grad_z.to(dtype), z.to(dtype), denominator)
         needs = ctx.needs_input_grad[1:]
-        inputs = (query, key, value, c, projection, *term_tensors)
+        inputs = (query, key, value, bias, projection, *term_tensors)
         leaves = [t.detach().requires_grad_(need) for t, need in zip(inputs, needs)]
-        query, key, value, c, projection, *term_tensors = leaves
+        query, key, value, bias, projection, *term_tensors = leaves
         terms = terms.with_tensors(term_tensors)
         with torch.enable_grad():
+            c, shift = toeplitz_coefficients(bias)
             phi_q, phi_k = query_key_features(query, key, projection, mask, dtype, terms.logit_scale, variant=variant)
             out = _product(phi_q, phi_k, value.to(dtype), c, shift, terms, band_width, causal, _BandedBackward.apply)
             wanted = [leaf for leaf, need in zip(leaves, needs) if need]
