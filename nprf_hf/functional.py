@@ -184,7 +184,9 @@ def _attention(query, key, value, rpe_bias, projection, key_padding_mask, algori
     if not (recompute and needs_grad and not torch.compiler.is_compiling()):
         return _nprf_attention(*inputs, algorithm, band_width, causal, variant)
     if algorithm == "banded" and not terms.product_value_read():  # features rebuilt, the product's forward not rerun
-        return banded_attention_recomputed(*inputs, band_width, causal, variant)
+        # the unmasked bias: the base model's one tensor for all layers, which the Function keeps instead of a copy
+        unmasked = (query, key, value, rpe_bias.to(dtype), projection, key_padding_mask, terms)
+        return banded_attention_recomputed(*unmasked, band_width, causal, variant)
     # No random numbers inside: the recomputation repeats the forward exactly without saving RNG state.
     return checkpoint(
         _nprf_attention, *inputs, algorithm, band_width, causal, variant, use_reentrant=False, preserve_rng_state=False,

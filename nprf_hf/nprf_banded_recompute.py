@@ -22,14 +22,15 @@ from .nprf_features import (
     rows_with_keys,
     values_and_ones,
 )
-from .nprf_positions import toeplitz_coefficients
+from .nprf_positions import masked_bias, toeplitz_coefficients
 
 
 def banded_attention_recomputed(query, key, value, bias, projection, key_padding_mask, terms, band_width, causal,
                                 variant):
     """z [B, H, n, d_v] of the banded algorithm under autograd, the features rebuilt in backward (arguments as
-    `functional._nprf_attention`: bias [H, 2n - 1] with -inf for the future when causal, terms an `AttentionTerms`
-    whose trained tensors do not read the product's value, see `AttentionTerms.product_value_read`).
+    `functional._nprf_attention` but bias [H, 2n - 1] without the -inf of the future, applied here when causal;
+    terms an `AttentionTerms` whose trained tensors do not read the product's value, see
+    `AttentionTerms.product_value_read`).
 
     The output is laid out as query (a [B, H, n, d] view of [B, n, H, d] storage, as the models pass it, gives the
     same view): the models' transpose back to [B, n, H * d] is then free, and the output projection keeps for its
@@ -56,7 +57,7 @@ class _KeptOutputAttention(torch.autograd.Function):
     def forward(ctx, setup, query, key, value, bias, projection, *term_tensors):
         mask, terms, band_width, causal, variant = setup
         dtype = compute_dtype(query.dtype)
-        c, shift = toeplitz_coefficients(bias)
+        c, shift = toeplitz_coefficients(masked_bias(bias, query.shape[-2], causal))
         phi_q, phi_k = query_key_features(query, key, projection, mask, dtype, terms.logit_scale, variant=variant)
         out = _product(phi_q, phi_k, value.to(dtype), c, shift, terms, band_width, causal, banded_toeplitz_attention)
         del phi_q, phi_k, c
@@ -84,7 +85,7 @@ class _KeptOutputAttention(torch.autograd.Function):
         query, key, value, bias, projection, *term_tensors = leaves
         terms = terms.with_tensors(term_tensors)
         with torch.enable_grad():
-            c, shift = toeplitz_coefficients(bias)
+            c, shift = toeplitz_coefficients(masked_bias(bias, query.shape[-2], causal))
             phi_q, phi_k = query_key_features(query, key, projection, mask, dtype, terms.logit_scale, variant=variant)
             out = _product(phi_q, phi_k, value.to(dtype), c, shift, terms, band_width, causal, _BandedBackward.apply)
             wanted = [leaf for leaf, need in zip(leaves, needs) if need]

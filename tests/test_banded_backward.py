@@ -136,7 +136,8 @@ def test_gradcheck(causal, small_chunks):
     assert torch.autograd.gradcheck(attention, inputs, eps=1e-6, atol=1e-6, rtol=1e-4)
 
 
-def test_equals_keeping_the_features_and_keeps_only_inputs_and_output(small_chunks):
+@pytest.mark.parametrize("causal", [False, True])
+def test_equals_keeping_the_features_and_keeps_only_inputs_and_output(small_chunks, causal):
     """Same values as recompute=False (bit for bit) and the same gradients to rounding; autograd holds no
     [B, H, n, m] tensor; the output has the layout of the models' [B, n, H, d] views, so their transpose back to
     [B, n, H d] (and the output projection's saved input) is that very tensor."""
@@ -144,18 +145,20 @@ def test_equals_keeping_the_features_and_keeps_only_inputs_and_output(small_chun
     q, k, v, projection, table, mask = case(n, m=m, seed=4)
     results = {}
     for recompute in (False, True):
-        saved = {}
-        with torch.autograd.graph.saved_tensors_hooks(functools.partial(record, saved), lambda tensor: tensor):
+        saved, shapes = {}, {}
+        with torch.autograd.graph.saved_tensors_hooks(functools.partial(record, saved, shapes), lambda tensor: tensor):
             bias = Fn.relative_position_bias(table, n, True, BUCKETS, DISTANCE)
-            out = Fn.nprf_attention(*views(q, k, v), bias, projection, mask, "banded",
+            out = Fn.nprf_attention(*views(q, k, v), bias, projection, mask, "banded", causal,
                                     band_width=Fn.rpe_band_width(BUCKETS, DISTANCE), recompute=recompute)
         for tensor in (q, k, v, out, bias):
             saved.pop(tensor.untyped_storage().data_ptr(), None)
+            shapes.pop(tensor.untyped_storage().data_ptr(), None)
         if recompute:
             assert kept_output_used(out) and out.transpose(1, 2).is_contiguous()
-            # the denominators, the projection and the bias gather's index: no [H, 2n - 1] coefficients of its own
-            # (the bias is the base model's, one for all layers)
-            assert sum(saved.values()) < 3 * 2 * n * 8 + projection.numel() * 8 + (2 * n - 1) * 8 + 64, saved
+            # the denominators, the projection, the bias gather's index (and, causal, the future's [2n - 1] mask):
+            # no [H, 2n - 1] coefficients or masked bias of its own (the bias is the base model's, one for all layers)
+            assert not [shape for shape in shapes.values() if shape == (2, 2 * n - 1)], shapes
+            assert sum(saved.values()) < 3 * 2 * n * 8 + projection.numel() * 8 + (2 * n - 1) * 9 + 64, saved
         grads = torch.autograd.grad((out * torch.linspace(-1, 1, out.shape[-1], dtype=torch.float64)).sum(),
                                     (q, k, v, table))
         results[recompute] = out.detach(), grads
@@ -164,9 +167,10 @@ def test_equals_keeping_the_features_and_keeps_only_inputs_and_output(small_chun
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
 
 
-def record(saved, tensor):
-    """A saved-tensors hook: note the tensor's storage and size."""
+def record(saved, shapes, tensor):
+    """A saved-tensors hook: note the tensor's storage, its size and its shape."""
     saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+    shapes[tensor.untyped_storage().data_ptr()] = tuple(tensor.shape)
     return tensor
 
 
