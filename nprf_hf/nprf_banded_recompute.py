@@ -7,8 +7,8 @@ Activation checkpointing of the whole call (what `recompute` does for the other 
 forward twice. Backward here rebuilds only the features (two [n, d] x [d, m] matmuls and an exp per head), and the
 product's backward (`banded_toeplitz_backward`) needs its inputs, not its output: from z and the denominators the
 gradient of the normalization is known, so the product's forward is never run again. The Toeplitz coefficients
-c = exp(b - max b) are rebuilt too: the bias b is the base model's, one tensor for every layer, while a c kept per
-layer would cost [H, 2n - 1] in each (1.5 MiB at 16k tokens, what kept training memory above SDPA's).
+c = exp(b - max b) are rebuilt too, from the band of the bias b alone (b is constant beyond it): a [H, 2n - 1]
+tensor kept per layer, or even once, is what kept training memory above SDPA's at 16k tokens (1.5 MiB each).
 """
 
 import torch
@@ -69,14 +69,15 @@ class _KeptOutputAttention(torch.autograd.Function):
             z = out.new_empty(batch, heads, n, value.shape[-1])
         z = torch.div(out[..., :-1], denominator, out=z).to(query.dtype)
         ctx.setup = setup
-        ctx.save_for_backward(query, key, value, bias, projection, z, denominator, *term_tensors)
+        ctx.save_for_backward(query, key, value, _band(bias, band_width), projection, z, denominator, *term_tensors)
         return z
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_z):
         mask, terms, band_width, causal, variant = ctx.setup
-        query, key, value, bias, projection, z, denominator, *term_tensors = ctx.saved_tensors
+        query, key, value, band, projection, z, denominator, *term_tensors = ctx.saved_tensors
+        bias = _unband(band, query.shape[-2])
         dtype = denominator.dtype
         grad_out = _normalization_backward(grad_z.to(dtype), z.to(dtype), denominator)
         needs = ctx.needs_input_grad[1:]
@@ -91,6 +92,23 @@ class _KeptOutputAttention(torch.autograd.Function):
             wanted = [leaf for leaf, need in zip(leaves, needs) if need]
             grads = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True))
         return (None, *(next(grads) if need else None for need in needs))
+
+
+def _band(bias, band_width):
+    """[H, 2W + 1] from bias [H, 2n - 1]: b_r for |r| < W and one b_r of each side beyond (where the bias is
+    constant: the banded algorithm needs it so), which is all of the bias that backward needs to keep."""
+    n = (bias.shape[-1] + 1) // 2
+    if band_width >= n:
+        return bias
+    return torch.cat([bias[:, :1], bias[:, n - band_width : n + band_width - 1], bias[:, -1:]], dim=-1)
+
+
+def _unband(band, n):
+    """The bias [H, 2n - 1] of a `_band`."""
+    if band.shape[-1] == 2 * n - 1:
+        return band
+    heads, far = band.shape[0], n - (band.shape[-1] - 1) // 2
+    return torch.cat([band[:, :1].expand(heads, far), band[:, 1:-1], band[:, -1:].expand(heads, far)], dim=-1)
 
 
 def _normalization_backward(grad_z, z, denominator):

@@ -155,10 +155,13 @@ def test_equals_keeping_the_features_and_keeps_only_inputs_and_output(small_chun
             shapes.pop(tensor.untyped_storage().data_ptr(), None)
         if recompute:
             assert kept_output_used(out) and out.transpose(1, 2).is_contiguous()
-            # the denominators, the projection, the bias gather's index (and, causal, the future's [2n - 1] mask):
-            # no [H, 2n - 1] coefficients or masked bias of its own (the bias is the base model's, one for all layers)
-            assert not [shape for shape in shapes.values() if shape == (2, 2 * n - 1)], shapes
-            assert sum(saved.values()) < 3 * 2 * n * 8 + projection.numel() * 8 + (2 * n - 1) * 9 + 64, saved
+            # the denominators, the projection, the bias's band (and, causal, the future's [2n - 1] mask of a
+            # discarded masked copy): no [H, 2n - 1] bias, coefficients or bucket index
+            band = Fn.rpe_band_width(BUCKETS, DISTANCE)
+            assert not [shape for shape, dtype in shapes.values()
+                        if shape == (2, 2 * n - 1) or (shape == (2 * n - 1,) and dtype != torch.bool)], shapes
+            assert sum(saved.values()) <= 3 * 2 * n * 8 + projection.numel() * 8 + 2 * (2 * band + 1) * 8 + (
+                2 * n - 1 if causal else 0), saved
         grads = torch.autograd.grad((out * torch.linspace(-1, 1, out.shape[-1], dtype=torch.float64)).sum(),
                                     (q, k, v, table))
         results[recompute] = out.detach(), grads
@@ -168,9 +171,9 @@ def test_equals_keeping_the_features_and_keeps_only_inputs_and_output(small_chun
 
 
 def record(saved, shapes, tensor):
-    """A saved-tensors hook: note the tensor's storage, its size and its shape."""
+    """A saved-tensors hook: note the tensor's storage, its size, its shape and dtype."""
     saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-    shapes[tensor.untyped_storage().data_ptr()] = tuple(tensor.shape)
+    shapes[tensor.untyped_storage().data_ptr()] = (tuple(tensor.shape), tensor.dtype)
     return tensor
 
 

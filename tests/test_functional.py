@@ -91,6 +91,26 @@ def test_relative_position_bias_layout():
         Fn.relative_position_bias(torch.randn(3, 16), n)
 
 
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_relative_position_bias_gradient_keeps_no_index(bidirectional):
+    """The table's gradient is the plain gather's (float64, every bucket's sum of its distances' gradients),
+    and autograd keeps nothing from forward to backward: the bucket index is rebuilt there."""
+    n, buckets, distance = 37, 8, 20
+    table = torch.randn(3, buckets, dtype=torch.float64, requires_grad=True)
+    weights = torch.randn(3, 2 * n - 1, dtype=torch.float64)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        bias = Fn.relative_position_bias(table, n, bidirectional, buckets, distance)
+    assert saved == []
+    (grad,) = torch.autograd.grad((bias * weights).sum(), table)
+    index = Fn.t5_relative_position_bucket(torch.arange(-(n - 1), n), bidirectional, buckets, distance)
+    (expected,) = torch.autograd.grad((table[:, index] * weights).sum(), table)
+    torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(
+        lambda t: Fn.relative_position_bias(t, n, bidirectional, buckets, distance), (table,)
+    )
+
+
 # --- feature maps --------------------------------------------------------------------------------
 
 
