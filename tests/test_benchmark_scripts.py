@@ -290,3 +290,25 @@ def test_short_length_benchmark_casts_both_models_to_the_dtype(tmp_path, monkeyp
                                 "--dropout", "0", "--dtype", "bfloat16", "--output", str(tmp_path / "s.json")])
     assert seen and all(d == {"sdpa": torch.bfloat16, "nprf": torch.bfloat16} for d in seen)
     assert result["settings"]["dtype"] == "bfloat16" and result["rows"][0]["train_step_s"]["nprf"] > 0
+
+
+def test_kept_memory_counts_what_backward_keeps(tmp_path):
+    """benchmarks/kept_memory.py at minimal size: every variant keeps its layers' hidden states [1, n, h], the
+    NPRF model's features [1, H, n, m] only while it keeps them, and the step's peak holds at least what forward
+    allocated and kept."""
+    kept_memory = load_script("kept_memory")
+    stem = str(tmp_path / "kept")
+    n = 32
+    results = kept_memory.main(["--lengths", str(n), "--num-layers", "1", "--hidden-size", "32", "--num-heads", "2",
+                                "--vocab-size", "100", "--threads", "1", "--output", stem])
+    by_variant = {r["variant"]: r for r in results}
+    assert set(by_variant) == set(kept_memory.VARIANTS)
+    for variant, result in by_variant.items():
+        shapes = {(tuple(shape), dtype) for shape, dtype, _ in result["kept_by_shape"]}
+        assert ((1, n, 32), "torch.float32") in shapes, (variant, shapes)
+        features = [s for s, _ in shapes if len(s) == 4 and s[:3] == (1, 2, n) and s[3] == 64]
+        assert bool(features) == variant.startswith("nprf"), (variant, shapes)  # n is short: NPRF keeps them
+        assert result["peak_bytes"] >= result["kept_bytes"] - n * 8 * 2  # the ids were allocated before the step
+    with open(stem + ".json") as handle:
+        saved = json.load(handle)
+    assert saved["meta"]["args"]["num_layers"] == 1 and len(saved["results"]) == 3
