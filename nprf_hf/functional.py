@@ -169,7 +169,8 @@ def _attention(query, key, value, rpe_bias, projection, key_padding_mask, algori
         dtype = compute_dtype(value.dtype)
         return (weights.to(dtype) @ value.to(dtype)).to(value.dtype)
     dtype = compute_dtype(query.dtype)
-    bias = masked_bias(rpe_bias.to(dtype), n, causal)
+    rpe_bias = rpe_bias.to(dtype)
+    bias = masked_bias(rpe_bias, n, causal)
     inputs = (query, key, value, bias, projection, key_padding_mask, terms)
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (query, key, value, bias, projection, *terms.tensors())
@@ -184,9 +185,9 @@ def _attention(query, key, value, rpe_bias, projection, key_padding_mask, algori
     if not (recompute and needs_grad and not torch.compiler.is_compiling()):
         return _nprf_attention(*inputs, algorithm, band_width, causal, variant)
     if algorithm == "banded" and not terms.product_value_read():  # features rebuilt, the product's forward not rerun
-        # the unmasked bias: the base model's one tensor for all layers, which the Function keeps instead of a copy
-        unmasked = (query, key, value, rpe_bias.to(dtype), projection, key_padding_mask, terms)
-        return banded_attention_recomputed(*unmasked, band_width, causal, variant)
+        # the unmasked bias (the Function masks it itself): a causally masked copy would keep its mask per layer
+        return banded_attention_recomputed(query, key, value, rpe_bias, projection, key_padding_mask, terms,
+                                           band_width, causal, variant)
     # No random numbers inside: the recomputation repeats the forward exactly without saving RNG state.
     return checkpoint(
         _nprf_attention, *inputs, algorithm, band_width, causal, variant, use_reentrant=False, preserve_rng_state=False,
