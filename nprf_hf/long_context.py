@@ -20,7 +20,10 @@ the last hidden states over real tokens, L2-normalized.
 
   on random spans of unlabeled long text (documents of `document_length` tokens, `passages_per_document`
   passages of `passage_length` tokens cut out of each); the InfoNCE term uses the other documents of the
-  batch as negatives (temperature `temperature`). Only the parameters of `train` change (`LONG_CONTEXT_TRAIN`):
+  batch as negatives (temperature `temperature`) and, with `negatives` > 0, a fixed bank of that many more: the
+  teacher's chunk-and-pool embeddings of disjoint spans of the same text, computed once, each left out of a
+  passage's candidates while it overlaps that passage's document (a batch of 2-4 long documents alone gives
+  each passage one to three easy negatives). Only the parameters of `train` change (`LONG_CONTEXT_TRAIN`):
   "attention" = what attention transfer trains (query/key projections, RPE tables, logit scales);
   "encoder" = every parameter of the layer stack (embeddings and heads stay bit-identical).
   The token term compares each token's last hidden state in the whole document with the teacher's state of the
@@ -207,13 +210,24 @@ def token_stream(tokenizer, documents: Sequence[str]) -> List[int]:
     return stream
 
 
+def _span_starts(stream: Sequence[int], count: int, length: int, generator: torch.Generator) -> List[int]:
+    if len(stream) < length:
+        raise ValueError(f"the long text has {len(stream)} tokens, fewer than document_length={length}: give more text")
+    return torch.randint(0, len(stream) - length + 1, (count,), generator=generator).tolist()
+
+
 def sample_documents(stream: Sequence[int], count: int, length: int, generator: torch.Generator) -> List[List[int]]:
     """`count` random spans of `length` tokens of `stream` (spans may cross document boundaries, as long
     inputs made of concatenated articles do)."""
-    if len(stream) < length:
-        raise ValueError(f"the long text has {len(stream)} tokens, fewer than document_length={length}: give more text")
-    starts = torch.randint(0, len(stream) - length + 1, (count,), generator=generator).tolist()
-    return [list(stream[s : s + length]) for s in starts]
+    return [list(stream[s : s + length]) for s in _span_starts(stream, count, length, generator)]
+
+
+def negative_bank_starts(stream_length: int, count: int, length: int, generator: torch.Generator) -> List[int]:
+    """Starts of up to `count` disjoint spans of `length` tokens tiling the stream (a random choice of the
+    tiles when there are more), sorted: the fixed documents whose embeddings are every passage's negatives."""
+    tiles = list(range(0, stream_length - length + 1, length))
+    chosen = torch.randperm(len(tiles), generator=generator)[:count].sort().values.tolist()
+    return [tiles[i] for i in chosen]
 
 
 def sample_passages(documents: Sequence[Sequence[int]], per_document: int, length: int,
@@ -225,6 +239,22 @@ def sample_passages(documents: Sequence[Sequence[int]], per_document: int, lengt
         for start in torch.randint(0, top + 1, (per_document,), generator=generator).tolist():
             passages.append(list(ids[start : start + length]))
     return passages
+
+
+def contrastive_logits(passages: torch.Tensor, documents: torch.Tensor, temperature: float,
+                       bank: Optional[torch.Tensor] = None, bank_starts: Sequence[int] = (),
+                       document_starts: Sequence[int] = (), length: int = 0) -> torch.Tensor:
+    """InfoNCE logits [P, D (+ K)] of passages [P, h] (P = D x passages per document, document by document)
+    against the batch's documents [D, h], then the bank's documents [K, h]: a bank span of `length` tokens
+    starting at `bank_starts[k]` is no negative of a passage whose document (`document_starts`, spans of the
+    same stream and length) it overlaps, so its logit is -inf there."""
+    logits = passages @ documents.T / temperature
+    if bank is None:
+        return logits
+    per_document = passages.shape[0] // documents.shape[0]
+    starts = torch.tensor(document_starts, device=passages.device).repeat_interleave(per_document)
+    overlaps = (torch.tensor(bank_starts, device=passages.device)[None, :] - starts[:, None]).abs() < length
+    return torch.cat([logits, (passages @ bank.T / temperature).masked_fill(overlaps, float("-inf"))], dim=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,6 +341,7 @@ def long_context_distillation(
     contrastive_weight: float = LONG_CONTEXT_DEFAULTS["contrastive_weight"],
     token_weight: float = LONG_CONTEXT_DEFAULTS["token_weight"],
     temperature: float = LONG_CONTEXT_DEFAULTS["temperature"],
+    negatives: int = LONG_CONTEXT_DEFAULTS["negatives"],
     learning_rate: float = LONG_CONTEXT_DEFAULTS["learning_rate"],
     table_learning_rate: float = LONG_CONTEXT_DEFAULTS["table_learning_rate"],
     train: str = LONG_CONTEXT_DEFAULTS["train"],
@@ -335,6 +366,7 @@ def long_context_distillation(
         window, overlap: the teacher's chunk-and-pool windows (content tokens; window None = all the teacher's
             positions, 510 for BERT and RoBERTa).
         contrastive_weight, temperature: weight and temperature of the passage -> document InfoNCE term.
+        negatives: size of the contrastive term's fixed bank of negative documents (0 = the batch only).
         token_weight: weight of the per-token term (0 = off; the teacher then runs only its pooled windows).
         learning_rate: Adam's rate of the weights; table_learning_rate: of the RPE tables and logit scales
             (both decayed to a tenth along a cosine).
@@ -348,10 +380,10 @@ def long_context_distillation(
 
     if train not in LONG_CONTEXT_TRAIN:
         raise ValueError(f"train='{train}' is not supported; allowed: {', '.join(LONG_CONTEXT_TRAIN)}")
-    if steps < 0 or batch_size < 1 or passage_length < 1 or passages_per_document < 1 or short_batch_size < 0:
-        raise ValueError(
-            "need steps >= 0, batch_size >= 1, passage_length >= 1, passages_per_document >= 1, short_batch_size >= 0"
-        )
+    if (steps < 0 or batch_size < 1 or passage_length < 1 or passages_per_document < 1 or short_batch_size < 0
+            or negatives < 0):
+        raise ValueError("need steps >= 0, batch_size >= 1, passage_length >= 1, passages_per_document >= 1, "
+                         "short_batch_size >= 0, negatives >= 0")
     if document_length <= passage_length:
         raise ValueError(f"document_length={document_length} must exceed passage_length={passage_length}")
     if not (learning_rate > 0 and table_learning_rate > 0 and temperature > 0 and contrastive_weight >= 0
@@ -424,16 +456,26 @@ def long_context_distillation(
                 result["short text"] = float((encode_token_ids(student, tokenizer, shorts) * target_short).sum(-1).mean())
         return result
 
+    use_contrastive = contrastive_weight > 0 and (batch_size > 1 or negatives > 0)
+    if use_contrastive and negatives > 0:
+        # its own generator: the training spans stay those of a run without the bank
+        bank_starts = negative_bank_starts(len(stream), negatives, document_length,
+                                           torch.Generator().manual_seed(seed + 2_000_003))
     history = []
     start = time.perf_counter()
     try:
+        if use_contrastive and negatives > 0:
+            with torch.no_grad():
+                bank = torch.stack([_chunk_pass(teacher, tokenizer, stream[s : s + document_length], window, overlap,
+                                                MAX_WINDOWS_PER_BATCH, False)[0] for s in bank_starts])
         before = evaluate()
         if steps > 0:
             optimizer, schedule = adam_with_cosine_decay(trainable, steps, learning_rate, table_learning_rate)
             take_short = shuffled_cycle(short_texts, generator)
             progress = _progress(steps, show_progress, "long-context recipe")
             for step in range(1, steps + 1):
-                docs = sample_documents(stream, batch_size, document_length, generator)
+                doc_starts = _span_starts(stream, batch_size, document_length, generator)
+                docs = [list(stream[s : s + document_length]) for s in doc_starts]
                 passages = sample_passages(docs, passages_per_document, passage_length, generator)
                 shorts = short_ids(take_short(short_batch_size))
                 target_docs, target_passages, target_short, target_tokens = teacher_targets(
@@ -449,8 +491,9 @@ def long_context_distillation(
                     parts["short"] = (1 - (encode_token_ids(student, tokenizer, shorts) * target_short).sum(-1)).mean()
                 if token_weight > 0:
                     parts["token"] = token_weight * (1 - token_cosine(student_tokens, target_tokens)).mean()
-                if contrastive_weight > 0 and batch_size > 1:
-                    logits = student_passages @ student_docs.T / temperature
+                if use_contrastive:
+                    logits = contrastive_logits(student_passages, student_docs, temperature,
+                                                *((bank, bank_starts, doc_starts, document_length) if negatives else ()))
                     labels = torch.arange(batch_size, device=device).repeat_interleave(passages_per_document)
                     parts["contrastive"] = contrastive_weight * F.cross_entropy(logits, labels)
                 loss = sum(parts.values())
@@ -481,12 +524,14 @@ __all__ = [
     "LongContextReport",
     "chunk_and_pool",
     "chunk_token_states",
+    "contrastive_logits",
     "document_states",
     "embed_documents",
     "encode_token_ids",
     "long_context_distillation",
     "long_context_trainable",
     "mean_pool",
+    "negative_bank_starts",
     "read_long_text",
     "teacher_window",
     "windows",

@@ -13,11 +13,13 @@ from nprf_hf.convert import convert_checkpoint
 from nprf_hf.long_context import (
     chunk_and_pool,
     chunk_token_states,
+    contrastive_logits,
     document_states,
     embed_documents,
     encode_token_ids,
     long_context_distillation,
     long_context_trainable,
+    negative_bank_starts,
     read_long_text,
     windows,
 )
@@ -187,6 +189,42 @@ def test_token_term_trains_the_declared_parameters_and_brings_tokens_to_their_wi
     with pytest.raises(ValueError, match="token_weight"):
         long_context_distillation(student, AutoModel.from_pretrained(softmax_dir), tokenizer, read_long_text(text),
                                   document_length=200, passage_length=16, token_weight=-1.0)
+
+
+def test_negative_bank_tiles_the_stream_and_never_holds_a_passages_own_text():
+    starts = negative_bank_starts(1050, 4, 100, torch.Generator().manual_seed(3))
+    assert len(starts) == 4 and starts == sorted(starts) and len(set(starts)) == 4
+    assert all(start % 100 == 0 and start + 100 <= 1050 for start in starts)  # disjoint tiles inside the stream
+    assert negative_bank_starts(1050, 99, 100, torch.Generator().manual_seed(3)) == list(range(0, 1000, 100))
+    passages, documents, bank = (torch.nn.functional.normalize(torch.randn(n, 8), dim=-1) for n in (4, 2, 3))
+    logits = contrastive_logits(passages, documents, 0.1, bank, [0, 200, 500], [150, 400], 100)
+    # document 0 is tokens 150..249 and overlaps bank span 200..299; document 1 (400..499) ends just before span 500..
+    blocked = torch.zeros(4, 5, dtype=torch.bool)
+    blocked[:2, 3] = True
+    assert torch.equal(torch.isinf(logits), blocked)
+    expected = torch.cat([passages @ documents.T, passages @ bank.T], dim=1) / 0.1
+    torch.testing.assert_close(logits[~blocked], expected[~blocked])
+    torch.testing.assert_close(contrastive_logits(passages, documents, 0.1), expected[:, :2])
+
+
+def test_recipe_with_a_bank_of_negatives_has_a_contrastive_term_even_for_one_document(tiny):
+    _, softmax_dir, nprf_dir, text, tokenizer = tiny
+    runs = {}
+    for negatives in (0, 8):
+        report = long_context_distillation(
+            AutoModel.from_pretrained(nprf_dir), AutoModel.from_pretrained(softmax_dir), tokenizer,
+            read_long_text(text), steps=2, batch_size=1, document_length=150, passage_length=16, short_batch_size=2,
+            contrastive_weight=1.0, negatives=negatives, eval_documents=1, show_progress=False,
+        )
+        runs[negatives] = report.history
+    assert all("contrastive" not in h for h in runs[0])
+    # the bank has its own generator: the same documents and passages, the same other terms, plus InfoNCE
+    assert all(h["contrastive"] > 0 for h in runs[8])
+    assert runs[8][0]["document"] == runs[0][0]["document"]
+    with pytest.raises(ValueError, match="negatives >= 0"):
+        long_context_distillation(AutoModel.from_pretrained(nprf_dir), AutoModel.from_pretrained(softmax_dir),
+                                  tokenizer, read_long_text(text), document_length=150, passage_length=16,
+                                  negatives=-1)
 
 
 def test_recipe_is_deterministic_for_a_seed(tiny):
