@@ -20,10 +20,12 @@ the last hidden states over real tokens, L2-normalized.
 
   on random spans of unlabeled long text (documents of `document_length` tokens, `passages_per_document`
   passages of `passage_length` tokens cut out of each); the InfoNCE term uses the other documents of the
-  batch as negatives (temperature `temperature`) and, with `negatives` > 0, a fixed bank of that many more: the
-  teacher's chunk-and-pool embeddings of disjoint spans of the same text, computed once, each left out of a
-  passage's candidates while it overlaps that passage's document (a batch of 2-4 long documents alone gives
-  each passage one to three easy negatives). Only the parameters of `train` change (`LONG_CONTEXT_TRAIN`):
+  batch as negatives (temperature `temperature`) and, with `negatives` > 0, a memory of that many more: the
+  student's own embeddings of the documents of earlier steps, detached (cross-batch memory, Wang et al., CVPR
+  2020; filled at the start with disjoint spans of the text), each left out of a passage's candidates while it
+  overlaps that passage's document. A batch of 2-4 long documents alone gives each passage one to three easy
+  negatives; negatives in the teacher's space instead (its chunk-and-pool embeddings) let the student win the
+  term by leaving that space. Only the parameters of `train` change (`LONG_CONTEXT_TRAIN`):
   "attention" = what attention transfer trains (query/key projections, RPE tables, logit scales);
   "encoder" = every parameter of the layer stack (embeddings and heads stay bit-identical).
   The token term compares each token's last hidden state in the whole document with the teacher's state of the
@@ -222,9 +224,9 @@ def sample_documents(stream: Sequence[int], count: int, length: int, generator: 
     return [list(stream[s : s + length]) for s in _span_starts(stream, count, length, generator)]
 
 
-def negative_bank_starts(stream_length: int, count: int, length: int, generator: torch.Generator) -> List[int]:
+def disjoint_span_starts(stream_length: int, count: int, length: int, generator: torch.Generator) -> List[int]:
     """Starts of up to `count` disjoint spans of `length` tokens tiling the stream (a random choice of the
-    tiles when there are more), sorted: the fixed documents whose embeddings are every passage's negatives."""
+    tiles when there are more), sorted: the documents that first fill the contrastive term's memory."""
     tiles = list(range(0, stream_length - length + 1, length))
     chosen = torch.randperm(len(tiles), generator=generator)[:count].sort().values.tolist()
     return [tiles[i] for i in chosen]
@@ -242,19 +244,28 @@ def sample_passages(documents: Sequence[Sequence[int]], per_document: int, lengt
 
 
 def contrastive_logits(passages: torch.Tensor, documents: torch.Tensor, temperature: float,
-                       bank: Optional[torch.Tensor] = None, bank_starts: Sequence[int] = (),
+                       memory: Optional[torch.Tensor] = None, memory_starts: Sequence[int] = (),
                        document_starts: Sequence[int] = (), length: int = 0) -> torch.Tensor:
     """InfoNCE logits [P, D (+ K)] of passages [P, h] (P = D x passages per document, document by document)
-    against the batch's documents [D, h], then the bank's documents [K, h]: a bank span of `length` tokens
-    starting at `bank_starts[k]` is no negative of a passage whose document (`document_starts`, spans of the
+    against the batch's documents [D, h], then the memory's documents [K, h]: a memory span of `length` tokens
+    starting at `memory_starts[k]` is no negative of a passage whose document (`document_starts`, spans of the
     same stream and length) it overlaps, so its logit is -inf there."""
     logits = passages @ documents.T / temperature
-    if bank is None:
+    if memory is None:
         return logits
     per_document = passages.shape[0] // documents.shape[0]
     starts = torch.tensor(document_starts, device=passages.device).repeat_interleave(per_document)
-    overlaps = (torch.tensor(bank_starts, device=passages.device)[None, :] - starts[:, None]).abs() < length
-    return torch.cat([logits, (passages @ bank.T / temperature).masked_fill(overlaps, float("-inf"))], dim=1)
+    overlaps = (torch.tensor(memory_starts, device=passages.device)[None, :] - starts[:, None]).abs() < length
+    return torch.cat([logits, (passages @ memory.T / temperature).masked_fill(overlaps, float("-inf"))], dim=1)
+
+
+def push_memory(memory: torch.Tensor, memory_starts: Sequence[int], documents: torch.Tensor,
+                document_starts: Sequence[int]):
+    """First in, first out: ([K, h] memory, its K span starts) with the step's documents [D, h] (detached)
+    and their starts appended and the D oldest dropped."""
+    size = len(memory_starts)
+    return (torch.cat([memory, documents.detach()])[-size:],
+            (list(memory_starts) + list(document_starts))[-size:])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,7 +377,7 @@ def long_context_distillation(
         window, overlap: the teacher's chunk-and-pool windows (content tokens; window None = all the teacher's
             positions, 510 for BERT and RoBERTa).
         contrastive_weight, temperature: weight and temperature of the passage -> document InfoNCE term.
-        negatives: size of the contrastive term's fixed bank of negative documents (0 = the batch only).
+        negatives: size of the contrastive term's memory of earlier documents (0 = the batch's only).
         token_weight: weight of the per-token term (0 = off; the teacher then runs only its pooled windows).
         learning_rate: Adam's rate of the weights; table_learning_rate: of the RPE tables and logit scales
             (both decayed to a tenth along a cosine).
@@ -458,16 +469,16 @@ def long_context_distillation(
 
     use_contrastive = contrastive_weight > 0 and (batch_size > 1 or negatives > 0)
     if use_contrastive and negatives > 0:
-        # its own generator: the training spans stay those of a run without the bank
-        bank_starts = negative_bank_starts(len(stream), negatives, document_length,
-                                           torch.Generator().manual_seed(seed + 2_000_003))
+        # its own generator: the training spans stay those of a run without the memory
+        memory_starts = disjoint_span_starts(len(stream), negatives, document_length,
+                                             torch.Generator().manual_seed(seed + 2_000_003))
     history = []
     start = time.perf_counter()
     try:
         if use_contrastive and negatives > 0:
             with torch.no_grad():
-                bank = torch.stack([_chunk_pass(teacher, tokenizer, stream[s : s + document_length], window, overlap,
-                                                MAX_WINDOWS_PER_BATCH, False)[0] for s in bank_starts])
+                memory = torch.stack([document_states(student, tokenizer, stream[s : s + document_length])[0]
+                                      for s in memory_starts])
         before = evaluate()
         if steps > 0:
             optimizer, schedule = adam_with_cosine_decay(trainable, steps, learning_rate, table_learning_rate)
@@ -493,7 +504,8 @@ def long_context_distillation(
                     parts["token"] = token_weight * (1 - token_cosine(student_tokens, target_tokens)).mean()
                 if use_contrastive:
                     logits = contrastive_logits(student_passages, student_docs, temperature,
-                                                *((bank, bank_starts, doc_starts, document_length) if negatives else ()))
+                                                *((memory, memory_starts, doc_starts, document_length)
+                                                  if negatives else ()))
                     labels = torch.arange(batch_size, device=device).repeat_interleave(passages_per_document)
                     parts["contrastive"] = contrastive_weight * F.cross_entropy(logits, labels)
                 loss = sum(parts.values())
@@ -504,6 +516,8 @@ def long_context_distillation(
                 loss.backward()
                 optimizer.step()
                 schedule.step()
+                if use_contrastive and negatives > 0:
+                    memory, memory_starts = push_memory(memory, memory_starts, student_docs, doc_starts)
                 history.append({"step": step, "loss": loss.item(), **{k: v.item() for k, v in parts.items()}})
                 progress.set_postfix(loss=f"{history[-1]['loss']:.4f}")
                 progress.update(1)
@@ -530,8 +544,9 @@ __all__ = [
     "encode_token_ids",
     "long_context_distillation",
     "long_context_trainable",
+    "disjoint_span_starts",
     "mean_pool",
-    "negative_bank_starts",
+    "push_memory",
     "read_long_text",
     "teacher_window",
     "windows",

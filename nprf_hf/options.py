@@ -84,7 +84,7 @@ LONG_CONTEXT_OPTIONS = {
     "contrastive_weight": (float, "weight of the passage -> document contrastive term"),
     "token_weight": (float, "weight of the per-token term: each token's state vs the source's in its window"),
     "temperature": (float, "temperature of the contrastive term"),
-    "negatives": (int, "fixed bank of negative documents for the contrastive term (0 = the batch's only)"),
+    "negatives": (int, "memory of earlier documents, the contrastive term's extra negatives (0 = the batch's only)"),
     "learning_rate": (float, "Adam rate of the trained weights"),
     "table_learning_rate": (float, "Adam rate of the RPE table(s) and logit scales"),
     "train": (str, "what trains: attention (as attention transfer) or encoder (the whole layer stack)"),

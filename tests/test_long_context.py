@@ -14,12 +14,13 @@ from nprf_hf.long_context import (
     chunk_and_pool,
     chunk_token_states,
     contrastive_logits,
+    disjoint_span_starts,
     document_states,
     embed_documents,
     encode_token_ids,
     long_context_distillation,
     long_context_trainable,
-    negative_bank_starts,
+    push_memory,
     read_long_text,
     windows,
 )
@@ -191,23 +192,27 @@ def test_token_term_trains_the_declared_parameters_and_brings_tokens_to_their_wi
                                   document_length=200, passage_length=16, token_weight=-1.0)
 
 
-def test_negative_bank_tiles_the_stream_and_never_holds_a_passages_own_text():
-    starts = negative_bank_starts(1050, 4, 100, torch.Generator().manual_seed(3))
+def test_memory_spans_tile_the_stream_and_never_hold_a_passages_own_text():
+    starts = disjoint_span_starts(1050, 4, 100, torch.Generator().manual_seed(3))
     assert len(starts) == 4 and starts == sorted(starts) and len(set(starts)) == 4
     assert all(start % 100 == 0 and start + 100 <= 1050 for start in starts)  # disjoint tiles inside the stream
-    assert negative_bank_starts(1050, 99, 100, torch.Generator().manual_seed(3)) == list(range(0, 1000, 100))
-    passages, documents, bank = (torch.nn.functional.normalize(torch.randn(n, 8), dim=-1) for n in (4, 2, 3))
-    logits = contrastive_logits(passages, documents, 0.1, bank, [0, 200, 500], [150, 400], 100)
-    # document 0 is tokens 150..249 and overlaps bank span 200..299; document 1 (400..499) ends just before span 500..
+    assert disjoint_span_starts(1050, 99, 100, torch.Generator().manual_seed(3)) == list(range(0, 1000, 100))
+    passages, documents, memory = (torch.nn.functional.normalize(torch.randn(n, 8), dim=-1) for n in (4, 2, 3))
+    logits = contrastive_logits(passages, documents, 0.1, memory, [0, 200, 500], [150, 400], 100)
+    # document 0 is tokens 150..249 and overlaps memory span 200..299; document 1 (400..499) ends just before 500..
     blocked = torch.zeros(4, 5, dtype=torch.bool)
     blocked[:2, 3] = True
     assert torch.equal(torch.isinf(logits), blocked)
-    expected = torch.cat([passages @ documents.T, passages @ bank.T], dim=1) / 0.1
+    expected = torch.cat([passages @ documents.T, passages @ memory.T], dim=1) / 0.1
     torch.testing.assert_close(logits[~blocked], expected[~blocked])
     torch.testing.assert_close(contrastive_logits(passages, documents, 0.1), expected[:, :2])
+    # first in, first out, and nothing of the step's graph kept
+    pushed, starts = push_memory(memory, [0, 200, 500], documents.requires_grad_(), [150, 400])
+    assert starts == [500, 150, 400] and not pushed.requires_grad
+    torch.testing.assert_close(pushed, torch.cat([memory[2:], documents.detach()]))
 
 
-def test_recipe_with_a_bank_of_negatives_has_a_contrastive_term_even_for_one_document(tiny):
+def test_recipe_with_a_memory_of_negatives_has_a_contrastive_term_even_for_one_document(tiny):
     _, softmax_dir, nprf_dir, text, tokenizer = tiny
     runs = {}
     for negatives in (0, 8):
@@ -218,7 +223,7 @@ def test_recipe_with_a_bank_of_negatives_has_a_contrastive_term_even_for_one_doc
         )
         runs[negatives] = report.history
     assert all("contrastive" not in h for h in runs[0])
-    # the bank has its own generator: the same documents and passages, the same other terms, plus InfoNCE
+    # the memory has its own generator: the same documents and passages, the same other terms, plus InfoNCE
     assert all(h["contrastive"] > 0 for h in runs[8])
     assert runs[8][0]["document"] == runs[0][0]["document"]
     with pytest.raises(ValueError, match="negatives >= 0"):
