@@ -468,17 +468,16 @@ def long_context_distillation(
         return result
 
     use_contrastive = contrastive_weight > 0 and (batch_size > 1 or negatives > 0)
-    if use_contrastive and negatives > 0:
-        # its own generator: the training spans stay those of a run without the memory
-        memory_starts = disjoint_span_starts(len(stream), negatives, document_length,
-                                             torch.Generator().manual_seed(seed + 2_000_003))
+    memory, memory_starts = None, ()  # the contrastive term's extra negatives, if any
     history = []
     start = time.perf_counter()
     try:
         if use_contrastive and negatives > 0:
+            # its own generator: the training spans stay those of a run without the memory
+            memory_starts = disjoint_span_starts(len(stream), negatives, document_length,
+                                                 torch.Generator().manual_seed(seed + 2_000_003))
             with torch.no_grad():
-                memory = torch.stack([document_states(student, tokenizer, stream[s : s + document_length])[0]
-                                      for s in memory_starts])
+                memory = embed_documents(student, tokenizer, [stream[s : s + document_length] for s in memory_starts])
         before = evaluate()
         if steps > 0:
             optimizer, schedule = adam_with_cosine_decay(trainable, steps, learning_rate, table_learning_rate)
@@ -503,9 +502,8 @@ def long_context_distillation(
                 if token_weight > 0:
                     parts["token"] = token_weight * (1 - token_cosine(student_tokens, target_tokens)).mean()
                 if use_contrastive:
-                    logits = contrastive_logits(student_passages, student_docs, temperature,
-                                                *((memory, memory_starts, doc_starts, document_length)
-                                                  if negatives else ()))
+                    logits = contrastive_logits(student_passages, student_docs, temperature, memory, memory_starts,
+                                                doc_starts, document_length)
                     labels = torch.arange(batch_size, device=device).repeat_interleave(passages_per_document)
                     parts["contrastive"] = contrastive_weight * F.cross_entropy(logits, labels)
                 loss = sum(parts.values())
@@ -516,7 +514,7 @@ def long_context_distillation(
                 loss.backward()
                 optimizer.step()
                 schedule.step()
-                if use_contrastive and negatives > 0:
+                if memory is not None:
                     memory, memory_starts = push_memory(memory, memory_starts, student_docs, doc_starts)
                 history.append({"step": step, "loss": loss.item(), **{k: v.item() for k, v in parts.items()}})
                 progress.set_postfix(loss=f"{history[-1]['loss']:.4f}")
