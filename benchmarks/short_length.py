@@ -8,8 +8,11 @@ training step (forward + backward of the summed outputs), and the ratio NPRF / S
 between the two models so that drifts of the machine hit both. Training steps are timed at each --dropout
 (hidden and attention dropout of both models): 0 is SDPA's best case (its fused kernel), 0.1 is what
 fine-tuning a BERT checkpoint gets (SDPA then takes its unfused path; NPRF applies no attention dropout).
+Several `--features` values convert one NPRF model per m and time them all in the same alternating runs (the
+product's FLOPs grow with m: what a smaller m buys at these lengths).
 
     python benchmarks/short_length.py --threads 2 --output benchmarks/results/short_length_cpu.json
+    python benchmarks/short_length.py --sizes minilm --features 16 32 64 --dropout 0 --output ...
     python benchmarks/short_length.py --device cuda --dtype bfloat16 [--compile] --output ...
 
 `--dtype` casts both models (parameters and compute); `--compile` wraps both in `torch.compile`, the
@@ -92,7 +95,9 @@ def main(argv=None):
     parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:0, ...) (default: %(default)s)")
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="both models' dtype (default: %(default)s)")
     parser.add_argument("--compile", action="store_true", help="torch.compile both models (default: eager)")
-    parser.add_argument("--features", type=int, default=64, help="NPRF random features m (default: %(default)s)")
+    parser.add_argument("--features", type=int, nargs="+", default=[64],
+                        help="NPRF random features m; several values time one NPRF model each in the same alternating "
+                             "runs, one row per m (default: %(default)s)")
     parser.add_argument("--dropout", nargs="+", type=float, default=[0.0, 0.1],
                         help="dropout probabilities of the training steps (default: %(default)s)")
     parser.add_argument("--output", default=DEFAULT_OUTPUT, help="JSON path (default: a scratch file under runs/)")
@@ -105,6 +110,8 @@ def main(argv=None):
         parser.error(f"--points takes BxN pairs of positive integers, got {args.points}")
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    if min(args.features) < 1:
+        parser.error(f"--features takes positive integers, got {args.features}")
     if any(not 0 <= p < 1 for p in args.dropout):
         parser.error(f"--dropout takes probabilities in [0, 1), got {args.dropout}")
     torch.set_num_threads(args.threads)
@@ -122,8 +129,7 @@ def main(argv=None):
                             attention_probs_dropout_prob=0.0, attn_implementation="sdpa")
         torch.manual_seed(0)
         softmax = BertModel(config)
-        nprf = convert_to_nprf(softmax, num_random_features=args.features)
-        models = {"sdpa": softmax, "nprf": nprf}
+        models = {"sdpa": softmax, **{m: convert_to_nprf(softmax, num_random_features=m) for m in args.features}}
         for model in models.values():
             model.to(device=device, dtype=DTYPES[args.dtype])
         if args.compile:
@@ -139,17 +145,20 @@ def main(argv=None):
                         if isinstance(module, torch.nn.Dropout):
                             module.p = probability
                 training = time_pair(models, inputs, train=True, repeats=args.repeats, device=device, warmups=warmups)
-                row = {
-                    "size": size, "batch": batch, "length": length, "dropout": probability,
-                    "forward_s": forward, "train_step_s": training,
-                    "forward_nprf_over_sdpa": forward["nprf"] / forward["sdpa"],
-                    "train_step_nprf_over_sdpa": training["nprf"] / training["sdpa"],
-                }
-                rows.append(row)
-                print(f"{size:<13} B={batch:<3} n={length:<5} forward sdpa {1e3 * forward['sdpa']:8.1f} ms  nprf "
-                      f"{1e3 * forward['nprf']:8.1f} ms  ratio {row['forward_nprf_over_sdpa']:.2f}   train step "
-                      f"(dropout {probability}) sdpa {1e3 * training['sdpa']:8.1f} ms  nprf {1e3 * training['nprf']:8.1f}"
-                      f" ms  ratio {row['train_step_nprf_over_sdpa']:.2f}", flush=True)
+                for m in args.features:  # one row per NPRF model, each against the SDPA times of the same runs
+                    forward_s = {"sdpa": forward["sdpa"], "nprf": forward[m]}
+                    train_step_s = {"sdpa": training["sdpa"], "nprf": training[m]}
+                    row = {
+                        "size": size, "batch": batch, "length": length, "dropout": probability, "features": m,
+                        "forward_s": forward_s, "train_step_s": train_step_s,
+                        "forward_nprf_over_sdpa": forward_s["nprf"] / forward_s["sdpa"],
+                        "train_step_nprf_over_sdpa": train_step_s["nprf"] / train_step_s["sdpa"],
+                    }
+                    rows.append(row)
+                    print(f"{size:<13} B={batch:<3} n={length:<5} m={m:<4} forward sdpa {1e3 * forward_s['sdpa']:8.1f} ms  "
+                          f"nprf {1e3 * forward_s['nprf']:8.1f} ms  ratio {row['forward_nprf_over_sdpa']:.2f}   train step "
+                          f"(dropout {probability}) sdpa {1e3 * train_step_s['sdpa']:8.1f} ms  nprf "
+                          f"{1e3 * train_step_s['nprf']:8.1f} ms  ratio {row['train_step_nprf_over_sdpa']:.2f}", flush=True)
     result = {
         "settings": {**vars(args), "torch": torch.__version__,
                      "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()},

@@ -43,6 +43,8 @@ VARIANTS = {
     "scale8": ({"logit_scale_max": 8.0}, {}),
     "m256": ({"num_random_features": 256}, {}),
     "scale8-m256": ({"logit_scale_max": 8.0, "num_random_features": 256}, {}),
+    "scale8-m32": ({"logit_scale_max": 8.0, "num_random_features": 32}, {}),  # fewer FLOPs at GLUE lengths
+    "scale8-m16": ({"logit_scale_max": 8.0, "num_random_features": 16}, {}),
     "scale8-vo": ({"logit_scale_max": 8.0}, {"train_value_output": True}),
     "sink": ({"first_token_bias": True}, {}),
     "scale8-sink": ({"logit_scale_max": 8.0, "first_token_bias": True}, {}),

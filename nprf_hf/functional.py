@@ -215,15 +215,16 @@ def _nprf_attention(query, key, value, bias, projection, key_padding_mask, terms
     lengths = None
     if algorithm == "dense" and not torch.compiler.is_compiling():
         lengths = key_lengths(mask, batch, n)
-    in_cache_inference = lengths is not None and inference
-    phi_q, phi_k = query_key_features(query, key, projection, mask, dtype, logit_scale, in_cache_inference, variant)
-    u = None if algorithm == "banded" or lengths is not None else values_and_ones(value)
+    in_cache = None if lengths is None else dense_toeplitz_inference if inference else dense_toeplitz_training
+    head_major = in_cache is dense_toeplitz_inference
+    phi_q, phi_k = query_key_features(query, key, projection, mask, dtype, logit_scale, head_major, variant)
+    if in_cache is not None and not terms.pair_terms:  # the product alone: it divides in cache too
+        return in_cache(phi_q, phi_k, value, c, lengths, normalized=True).to(query.dtype)
+    u = None if algorithm == "banded" or in_cache is not None else values_and_ones(value)
 
     def toeplitz_product(keys):
-        if in_cache_inference:
-            return dense_toeplitz_inference(phi_q, keys, value, c, lengths)
-        if lengths is not None:
-            return dense_toeplitz_training(phi_q, keys, value, c, lengths)
+        if in_cache is not None:
+            return in_cache(phi_q, keys, value, c, lengths)
         if algorithm == "dense":
             return dense_toeplitz_attention(phi_q, keys, u, c)
         if algorithm == "fft":

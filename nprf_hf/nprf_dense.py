@@ -7,7 +7,9 @@ Products take phi_q, phi_k [B, H, n, m] (padded keys zeroed), u [B, H, n, e] and
 sum_j c_{j-i} (phi_q_i . phi_k_j) u_j: [B, H, n, e]. Three execution modes side by side: plain autograd
 (`dense_toeplitz_attention`, the reference, and what torch.compile traces), training in cache
 (`dense_toeplitz_training`: the n x n weights are never kept, a few heads at a time are rebuilt in backward) and
-inference in cache (`dense_toeplitz_inference`).
+inference in cache (`dense_toeplitz_inference`). The two in-cache modes can also divide by the denominators in
+cache (`normalized=True`, for attention without pair terms): the [B, H, n, d_v + 1] sums, their strided division
+and its backward then never pass through memory, which at GLUE lengths costs as much as the product itself.
 """
 
 import math
@@ -30,41 +32,64 @@ def dense_toeplitz_attention(phi_q, phi_k, u, c):
     return weights @ u
 
 
-def dense_toeplitz_inference(phi_q, phi_k, value, c, key_lengths):
+def dense_toeplitz_inference(phi_q, phi_k, value, c, key_lengths, normalized=False):
     """`dense_toeplitz_attention` without autograd, from the values [B, H, n, d_v] (the denominators are the
     weights' row sums): a few heads at a time, so that their n x n weights are scaled by C and read twice
     while they are in cache, and each sequence's keys cut after its last kept one (`key_lengths` [B] ints;
-    the keys after it are padding, whose features are zero). Features may be strided (head-major)."""
+    the keys after it are padding, whose features are zero). Features may be strided (head-major).
+    Returns [B, H, n, d_v + 1], or with `normalized` the attention output [B, H, n, d_v] (`_normalized`)."""
+    return _dense_forward(phi_q, phi_k, value, c, key_lengths, normalized)[0]
+
+
+def _dense_forward(phi_q, phi_k, value, c, key_lengths, normalized):
+    """(out, divisors): `dense_toeplitz_inference`'s output and, when normalized, the divisors [B, H, n, 1] used
+    (the denominators, inf for rows with no key)."""
     batch, heads, n, _ = phi_q.shape
     d = value.shape[-1]
     toeplitz = toeplitz_matrix(c, n)
     group = _head_group(heads, n, phi_q.element_size(), 1)
     weights_buffer = phi_q.new_empty(group * n * n)
     numerator = phi_q.new_empty(group, n, d)
-    out = phi_q.new_empty(batch, heads, n, d + 1)
+    out = phi_q.new_empty(batch, heads, n, d if normalized else d + 1)
+    divisors = phi_q.new_empty(batch, heads, n, 1) if normalized else None
     for b, length in enumerate(key_lengths):
         if length == 0:
             out[b].zero_()
+            if normalized:
+                divisors[b].fill_(float("inf"))
             continue
         for first in range(0, heads, group):
             last = min(first + group, heads)
             weights = weights_buffer[: (last - first) * n * length].view(last - first, n, length)
             torch.matmul(phi_q[b, first:last], phi_k[b, first:last, :length].transpose(-1, -2), out=weights)
             weights.mul_(toeplitz[first:last, :, :length])
-            out[b, first:last, :, :d] = torch.matmul(weights, value[b, first:last, :length], out=numerator[: last - first])
-            torch.sum(weights, dim=-1, keepdim=True, out=out[b, first:last, :, d:])
-    return out
+            if normalized:
+                divisor = torch.sum(weights, dim=-1, keepdim=True, out=divisors[b, first:last])
+                _normalized(torch.matmul(weights, value[b, first:last, :length], out=out[b, first:last]), divisor)
+            else:
+                out[b, first:last, :, :d] = torch.matmul(weights, value[b, first:last, :length], out=numerator[: last - first])
+                torch.sum(weights, dim=-1, keepdim=True, out=out[b, first:last, :, d:])
+    return out, divisors
 
 
-def dense_toeplitz_training(phi_q, phi_k, value, c, key_lengths):
+def _normalized(numerator, denominator):
+    """numerator / denominator in place, the denominator first made the divisor: inf where it is 0 (a query
+    whose keys are all padding or, causal, all in its future: exactly 0 in the dense product), so that such a
+    row gives zeros; a NaN stays NaN (as `nprf_features.normalize_attention`)."""
+    denominator.masked_fill_(denominator == 0, float("inf"))
+    return numerator.div_(denominator)
+
+
+def dense_toeplitz_training(phi_q, phi_k, value, c, key_lengths, normalized=False):
     """`dense_toeplitz_attention` for autograd, from the values [B, H, n, d_v] as `dense_toeplitz_inference` (the
     denominators are the weights' row sums), without its two [B, H, n, n] tensors (phi_q phi_k^T and the weights)
     kept from forward to backward: forward and backward run a few heads of one sequence at a time, so that their
     n x n weights stay in cache, and backward rebuilds them (one more n x n x m matmul) from the kept inputs.
     The keys of sequence b from `key_lengths[b]` on are skipped (they must be zero: padding), and their gradient
     is returned as zero: the features of padded keys are the mask times the feature map, so it reaches nothing.
-    Returns [B, H, n, d_v + 1]."""
-    return _DenseToeplitzProduct.apply(phi_q, phi_k, value, c, tuple(key_lengths))
+    Returns [B, H, n, d_v + 1], or with `normalized` the attention output [B, H, n, d_v] (rows with no key zero;
+    it then also keeps that output and the divisors [B, H, n, 1], whose backward it computes in cache)."""
+    return _DenseToeplitzProduct.apply(phi_q, phi_k, value, c, tuple(key_lengths), normalized)
 
 
 def _head_group(heads, n, element_size, buffers):
@@ -76,21 +101,26 @@ class _DenseToeplitzProduct(torch.autograd.Function):
     """[sum_j w_ij v_j | sum_j w_ij] with w_ij = c_{j-i} (phi_q_i . phi_k_j), see `dense_toeplitz_training`."""
 
     @staticmethod
-    def forward(ctx, phi_q, phi_k, value, c, lengths):
-        ctx.save_for_backward(phi_q, phi_k, value, c)
-        ctx.lengths = lengths
-        return dense_toeplitz_inference(phi_q, phi_k, value, c, lengths)
+    def forward(ctx, phi_q, phi_k, value, c, lengths, normalized):
+        out, divisors = _dense_forward(phi_q, phi_k, value, c, lengths, normalized)
+        ctx.save_for_backward(phi_q, phi_k, value, c, *((out, divisors) if normalized else ()))
+        ctx.lengths, ctx.normalized = lengths, normalized
+        return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        phi_q, phi_k, value, c = ctx.saved_tensors
+        phi_q, phi_k, value, c, *normalized = ctx.saved_tensors
         batch, heads, n, _ = phi_q.shape
         d = value.shape[-1]
         need_q, need_k, need_v, need_c = ctx.needs_input_grad[:4]
         toeplitz = toeplitz_matrix(c, n)
-        grad_numerator = grad_out[..., :d].contiguous()
-        grad_denominator = grad_out[..., d:].contiguous()
+        if ctx.normalized:
+            out, divisors = normalized
+            grad_out = grad_out.contiguous()
+        else:
+            grad_numerator = grad_out[..., :d].contiguous()
+            grad_denominator = grad_out[..., d:].contiguous()
         grad_q = torch.zeros_like(phi_q) if need_q else None
         grad_k = torch.zeros_like(phi_k) if need_k else None
         grad_v = torch.zeros_like(value) if need_v else None
@@ -105,7 +135,11 @@ class _DenseToeplitzProduct(torch.autograd.Function):
                 last = min(first + group, heads)
                 heads_ = slice(first, last)
                 q, k, v = phi_q[b, heads_], phi_k[b, heads_, :length], value[b, heads_, :length]
-                g = grad_numerator[b, heads_]
+                if ctx.normalized:  # y = numerator / divisor: dL/dnumerator = g / divisor, dL/ddenominator = -(g . y) / divisor
+                    g = grad_out[b, heads_] / divisors[b, heads_]
+                    grad_denominator_ = -(grad_out[b, heads_] * out[b, heads_]).sum(-1, keepdim=True) / divisors[b, heads_]
+                else:
+                    g, grad_denominator_ = grad_numerator[b, heads_], grad_denominator[b, heads_]
                 scale = toeplitz[heads_, :, :length]
                 product = products[: (last - first) * n * length].view(last - first, n, length)
                 grad_weights = weights_buffer[: (last - first) * n * length].view(last - first, n, length)
@@ -114,7 +148,7 @@ class _DenseToeplitzProduct(torch.autograd.Function):
                     torch.mul(product, scale, out=grad_weights)
                     torch.matmul(grad_weights.transpose(-1, -2), g, out=grad_v[b, heads_, :length])
                 # dL/dw_ij = dL/dnumerator_i . v_j + dL/ddenominator_i
-                torch.baddbmm(grad_denominator[b, heads_], g, v.transpose(-1, -2), out=grad_weights)
+                torch.baddbmm(grad_denominator_, g, v.transpose(-1, -2), out=grad_weights)
                 if need_c:  # dL/dC_ij = dL/dw_ij (phi_q_i . phi_k_j), summed over the batch
                     grad_toeplitz[heads_, :, :length].addcmul_(grad_weights, product)
                 grad_weights.mul_(scale)  # dL/d(phi_q_i . phi_k_j)
@@ -127,7 +161,7 @@ class _DenseToeplitzProduct(torch.autograd.Function):
             positions = torch.arange(n, device=c.device)
             index = (positions[None, :] - positions[:, None] + n - 1).reshape(1, -1).expand(heads, -1)
             grad_c = torch.zeros_like(c).scatter_add_(1, index, grad_toeplitz.reshape(heads, -1))
-        return grad_q, grad_k, grad_v, grad_c, None
+        return grad_q, grad_k, grad_v, grad_c, None, None
 
 
 def key_lengths(mask, batch, n):

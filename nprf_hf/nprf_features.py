@@ -93,8 +93,10 @@ def normalized_features(x, projection, logit_scale=None, head_major=False):
         wx = torch.bmm(scaled.view(heads, batch * n, d), projection.transpose(-1, -2)).view(heads, batch, n, num_features)
         return wx.sub_(shift.transpose(0, 1)).exp_().transpose(0, 1)
     # x_hat first, not (W x) / |x|: in training the product's backward then needs only x (the projection's
-    # output, kept anyway) and not a copy of W x; and with d <= m it is the smaller tensor to scale.
-    return _project(x * inverse, projection).sub_(shift).exp_()
+    # output, kept anyway) and not a copy of W x; and with d <= m it is the smaller tensor to scale. Adding the
+    # negated shift rather than subtracting it: backward then negates the [B, H, n, 1] sum, not the [B, H, n, m]
+    # gradient (a pass over the features that short inputs feel).
+    return _project(x * inverse, projection).add_(-shift).exp_()
 
 
 def row_norms(x):
@@ -107,8 +109,9 @@ def row_norms(x):
 
 def _feature_exponent(wx, squared_norm, num_features):
     """exp(Wx - |x|^2/2 - log(m)/2) = phi(x), in place on wx [..., m] (the matmul's backward does not need
-    its output, and exp_'s backward uses its result), so the [..., m] tensor is written only twice."""
-    return wx.sub_(0.5 * squared_norm + 0.5 * math.log(num_features)).exp_()
+    its output, and exp_'s backward uses its result), so the [..., m] tensor is written only twice; the shift is
+    negated before it is added, as in `normalized_features`."""
+    return wx.add_(-(0.5 * squared_norm + 0.5 * math.log(num_features))).exp_()
 
 
 def _project(x, projection):

@@ -258,20 +258,25 @@ def test_short_length_benchmark_times_both_models_and_reports_ratios(tmp_path, c
     short_length = load_script("short_length")
     output = tmp_path / "short.json"
     result = short_length.main(["--sizes", "minilm", "--points", "3x24", "--repeats", "1", "--threads", "1",
-                                "--output", str(output)])
-    assert [row["dropout"] for row in result["rows"]] == [0.0, 0.1]  # both training regimes by default
-    for row in result["rows"]:
+                                "--features", "8", "16", "--output", str(output)])
+    rows = result["rows"]
+    # both training regimes by default, one row per m, the m's of one regime against the same SDPA times
+    assert [(row["dropout"], row["features"]) for row in rows] == [(0.0, 8), (0.0, 16), (0.1, 8), (0.1, 16)]
+    for row in rows:
         assert (row["size"], row["batch"], row["length"]) == ("minilm", 3, 24)
         for kind in ("forward", "train_step"):
             times = row[f"{kind}_s"]
             assert set(times) == {"sdpa", "nprf"} and min(times.values()) > 0
             assert row[f"{kind}_nprf_over_sdpa"] == pytest.approx(times["nprf"] / times["sdpa"])
+    for first, second in (rows[:2], rows[2:]):
+        assert first["train_step_s"]["sdpa"] == second["train_step_s"]["sdpa"]
+        assert first["forward_s"]["nprf"] != second["forward_s"]["nprf"]  # two models, timed apart
     assert json.loads(output.read_text())["rows"] == result["rows"]
     assert "ratio" in capsys.readouterr().out
     input_ids, mask = short_length.padded_batch(4, 10, 50)
     assert mask[0].all() and (mask.sum(1) >= 5).all() and (input_ids[mask == 0] == 0).all()
     for bad in (["--points", "32by128"], ["--points", "0x128"], ["--repeats", "0"], ["--dropout", "1.5"],
-                ["--dtype", "float64"]):
+                ["--dtype", "float64"], ["--features", "0"]):
         with pytest.raises(SystemExit):
             short_length.main(bad)
 
@@ -288,7 +293,7 @@ def test_short_length_benchmark_casts_both_models_to_the_dtype(tmp_path, monkeyp
     monkeypatch.setattr(short_length, "time_pair", spy)
     result = short_length.main(["--sizes", "minilm", "--points", "2x16", "--repeats", "1", "--threads", "1",
                                 "--dropout", "0", "--dtype", "bfloat16", "--output", str(tmp_path / "s.json")])
-    assert seen and all(d == {"sdpa": torch.bfloat16, "nprf": torch.bfloat16} for d in seen)
+    assert seen and all(d == {"sdpa": torch.bfloat16, 64: torch.bfloat16} for d in seen)  # SDPA and the NPRF model of m = 64
     assert result["settings"]["dtype"] == "bfloat16" and result["rows"][0]["train_step_s"]["nprf"] > 0
 
 
