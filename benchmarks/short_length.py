@@ -112,6 +112,7 @@ def main(argv=None):
         parser.error("--repeats must be >= 1")
     if min(args.features) < 1:
         parser.error(f"--features takes positive integers, got {args.features}")
+    args.features = list(dict.fromkeys(args.features))  # one model per m
     if any(not 0 <= p < 1 for p in args.dropout):
         parser.error(f"--dropout takes probabilities in [0, 1), got {args.dropout}")
     torch.set_num_threads(args.threads)
