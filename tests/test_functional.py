@@ -565,11 +565,19 @@ def test_fft_length_is_fast_and_sufficient():
         assert rest == 1
 
 
+def _head_groups_of_two(n, monkeypatch):
+    """At n = 400 the in-cache products run 2 heads per group (the 3 heads as 2 + 1), whatever the machine's
+    group budget `DENSE_GROUP_BYTES` gives, so that the tests cover more than one group and an uneven last one."""
+    if n == 400:
+        monkeypatch.setattr(nprf_dense, "_head_group", lambda heads, n, element_size, buffers: 2)
+
+
 @pytest.mark.parametrize("n", [37, 400])
-def test_dense_inference_product_matches_reference_with_any_mask(n):
+def test_dense_inference_product_matches_reference_with_any_mask(n, monkeypatch):
     """Without autograd the dense product runs a few heads at a time and cuts every sequence's keys after its
-    last kept one (at n = 400 a group is one head: its weights fill the group's cache budget). Masks with
+    last kept one (at n = 400 in groups of 2 of the 3 heads, `_head_groups_of_two`). Masks with
     left padding, holes and no key at all give the reference's numbers and the autograd path's."""
+    _head_groups_of_two(n, monkeypatch)
     batch, heads, d, m = 4, 3, 8, 6
     q, k, v, projection = random_inputs(batch, heads, n, d, m)
     bias = t5_bias(heads, n, num_buckets=16, max_distance=40)
@@ -589,10 +597,11 @@ def test_dense_inference_product_matches_reference_with_any_mask(n):
 
 @pytest.mark.parametrize("n", [37, 400])
 @pytest.mark.parametrize("trained", ["all", "values only", "bias only"])
-def test_dense_training_product_matches_autograd_and_keeps_no_weights(n, trained):
+def test_dense_training_product_matches_autograd_and_keeps_no_weights(n, trained, monkeypatch):
     """Under autograd the eager dense product runs a few heads at a time and rebuilds the n x n weights in
     backward: values and the gradients of whatever requires grad equal the plain autograd formula's (float64,
     padded keys, a sequence with no key), and no [B, H, n, n] tensor is kept from forward to backward."""
+    _head_groups_of_two(n, monkeypatch)
     batch, heads, m, d = 4, 3, 6, 5
     generator = torch.Generator().manual_seed(n)
     mask = torch.ones(batch, n, dtype=torch.float64)
@@ -633,12 +642,13 @@ def test_dense_training_product_matches_autograd_and_keeps_no_weights(n, trained
 
 @pytest.mark.parametrize("n", [37, 400])
 @pytest.mark.parametrize("causal", [False, True])
-def test_dense_products_divide_in_cache_as_normalize_attention(n, causal):
+def test_dense_products_divide_in_cache_as_normalize_attention(n, causal, monkeypatch):
     """`normalized=True` (what attention without pair terms runs): both in-cache products return
     numerator / denominator, with zeros for rows that have no key (padding, an empty sequence, and causal: the
     rows whose kept keys all lie in their future), the same value as the undivided product divided by
     `normalize_attention`, and in training the same gradients for every input (float64), with padded keys
     skipped."""
+    _head_groups_of_two(n, monkeypatch)
     batch, heads, m, d = 4, 3, 6, 5
     generator = torch.Generator().manual_seed(n + causal)
     mask = torch.ones(batch, n, dtype=torch.float64)
