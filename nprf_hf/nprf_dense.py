@@ -9,7 +9,7 @@ sum_j c_{j-i} (phi_q_i . phi_k_j) u_j: [B, H, n, e]. Three execution modes side 
 (`dense_toeplitz_training`: the n x n weights are never kept, a few heads at a time are rebuilt in backward) and
 inference in cache (`dense_toeplitz_inference`). The two in-cache modes can also divide by the denominators in
 cache (`normalized=True`, for attention without pair terms): the [B, H, n, d_v + 1] sums, their strided division
-and its backward then never pass through memory (5-18% of the attention's forward + backward at 128 tokens).
+and its backward then never pass through memory (7-18% of the attention's forward + backward at 128 tokens).
 """
 
 import math
