@@ -17,7 +17,7 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
-from .nprf_features import NORM_EPS, row_norms
+from .nprf_features import NORM_EPS, kept_denominator, row_norms
 from .nprf_positions import toeplitz_matrix
 
 
@@ -39,7 +39,8 @@ def dense_toeplitz_inference(phi_q, phi_k, value, c, key_lengths, normalized=Fal
     weights' row sums): a few heads at a time, so that their n x n weights are scaled by C and read twice
     while they are in cache, and each sequence's keys cut after its last kept one (`key_lengths` [B] ints;
     the keys after it are padding, whose features are zero). Features may be strided (head-major).
-    Returns [B, H, n, d_v + 1], or with `normalized` the attention output [B, H, n, d_v] (`_normalized`)."""
+    Returns [B, H, n, d_v + 1], or with `normalized` the attention output [B, H, n, d_v] (divided by
+    `kept_denominator`: rows with no key, whose denominator is exactly 0 here, give zeros)."""
     return _dense_forward(phi_q, phi_k, value, c, key_lengths, normalized)[0]
 
 
@@ -66,20 +67,13 @@ def _dense_forward(phi_q, phi_k, value, c, key_lengths, normalized):
             torch.matmul(phi_q[b, first:last], phi_k[b, first:last, :length].transpose(-1, -2), out=weights)
             weights.mul_(toeplitz[first:last, :, :length])
             if normalized:
-                divisor = torch.sum(weights, dim=-1, keepdim=True, out=divisors[b, first:last])
-                _normalized(torch.matmul(weights, value[b, first:last, :length], out=out[b, first:last]), divisor)
+                divisor = divisors[b, first:last]
+                divisor.copy_(kept_denominator(weights.sum(-1, keepdim=True)))
+                torch.matmul(weights, value[b, first:last, :length], out=out[b, first:last]).div_(divisor)
             else:
                 out[b, first:last, :, :d] = torch.matmul(weights, value[b, first:last, :length], out=numerator[: last - first])
                 torch.sum(weights, dim=-1, keepdim=True, out=out[b, first:last, :, d:])
     return out, divisors
-
-
-def _normalized(numerator, denominator):
-    """numerator / denominator in place, the denominator first made the divisor: inf where it is 0 (a query
-    whose keys are all padding or, causal, all in its future: exactly 0 in the dense product), so that such a
-    row gives zeros; a NaN stays NaN (as `nprf_features.normalize_attention`)."""
-    denominator.masked_fill_(denominator == 0, float("inf"))
-    return numerator.div_(denominator)
 
 
 def dense_toeplitz_training(phi_q, phi_k, value, c, key_lengths, normalized=False):
