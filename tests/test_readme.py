@@ -31,6 +31,8 @@ BLOCK = re.compile(r"(?:<!-- (?P<mark>[^>]*?) -->\n)?^```(?P<lang>[^\n`]*)\n(?P<
 SHORTER = {
     "--attention-transfer-steps 500": "--attention-transfer-steps 2 --attention-transfer-batch-size 2 "
                                       "--attention-transfer-max-length 32",
+    "--attention-transfer-steps 1000": "--attention-transfer-steps 2 --attention-transfer-batch-size 2 "
+                                       "--attention-transfer-max-length 32",
     "--long-context-steps 150": "--long-context-steps 1 --long-context-document-length 128 --long-context-batch-size 1 "
                                 "--long-context-passages-per-document 1 --long-context-short-batch-size 1",
     "--max_steps 300": "--max_steps 2 --per_device_train_batch_size 2",
