@@ -132,9 +132,9 @@ class _DenseToeplitzProduct(torch.autograd.Function):
                 last = min(first + group, heads)
                 heads_ = slice(first, last)
                 q, k, v = phi_q[b, heads_], phi_k[b, heads_, :length], value[b, heads_, :length]
-                if ctx.normalized:  # y = numerator / divisor: dL/dnumerator = g / divisor, dL/ddenominator = -(g . y) / divisor
+                if ctx.normalized:  # y = numerator / divisor: dL/dnumerator = g / divisor, dL/ddenominator = -(g / divisor) . y
                     g = grad_out[b, heads_] / divisors[b, heads_]
-                    grad_denominator_ = -(grad_out[b, heads_] * out[b, heads_]).sum(-1, keepdim=True) / divisors[b, heads_]
+                    grad_denominator_ = -(g * out[b, heads_]).sum(-1, keepdim=True)
                 else:
                     g, grad_denominator_ = grad_numerator[b, heads_], grad_denominator[b, heads_]
                 scale = toeplitz[heads_, :, :length]
