@@ -35,6 +35,7 @@ TRANSFER_DEFAULTS = {
     "max_length": 128,
     "learning_rate": 1e-3,
     "table_learning_rate": 2e-2,
+    "projection_learning_rate": 0.0,
     "seed": 0,
 }
 
@@ -46,9 +47,11 @@ TRANSFER_OPTIONS = {
     "max_length": (int, "tokens per text (longer ones are truncated)"),
     "learning_rate": (float, "Adam rate of the query/key projections"),
     "table_learning_rate": (float, "Adam rate of the RPE table(s) and logit scales"),
+    "projection_learning_rate": (float, "Adam rate of the feature map's projection: > 0 learns the feature map "
+                                 "(e.g. 1e-2), 0 keeps the random draw"),
     "seed": (int, "seed of the text order"),
 }
-GLUE_TRANSFER_OPTIONS = ("batch_size", "learning_rate", "table_learning_rate")  # the GLUE scripts' own besides steps
+GLUE_TRANSFER_OPTIONS = ("batch_size", "learning_rate", "table_learning_rate", "projection_learning_rate")  # the GLUE scripts' own besides steps
 
 # `long_context_distillation`'s trainable sets and defaults (the CLI's --long-context-* options read them)
 LONG_CONTEXT_TRAIN = ("attention", "encoder")

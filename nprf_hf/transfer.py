@@ -15,7 +15,10 @@ relative form makes layers of different output scale count alike; 1.0 is the err
 attention that outputs nothing. The training loss is the mean over layers.
 
 By default the query/key projections, the RPE table(s) and the logit scales (when the config has
-`logit_scale_max`) train; values, output projections and everything else stay bit-identical.
+`logit_scale_max`) train; values, output projections and everything else stay bit-identical. With
+`projection_learning_rate` > 0 the feature map's projection W of phi(x) = exp(W x_hat - s / 2) / sqrt(m) trains
+too: a learned feature map, as Hedgehog learns its own, in place of the random draw (the kernel stays positive
+and every exact algorithm and the cache still apply; it is no longer an estimate of exp(s q_hat . k_hat)).
 """
 
 import math
@@ -36,6 +39,9 @@ Text = Union[str, Tuple[str, str]]
 # The RPE tables and logit scales are biases in logit units, far from where they must go (a zero table,
 # s = 1): Adam moves a parameter by about its rate per step, so they get a rate of their own.
 TABLE_PARAMETERS = ("rpe_table", *(term.parameter for term in ATTENTION_TERMS))
+# The feature map's projection W [H, m, d], a persistent buffer of each self-attention (a draw, not a weight,
+# unless the transfer learns it); its entries are O(1), the query/key weights' O(0.05): a rate of its own.
+PROJECTION = "projection"
 
 
 @dataclass
@@ -129,8 +135,9 @@ def _layers(model):
     return encoder, list(getattr(encoder, layout.layers))
 
 
-def _trainable(student, train_value_output):
-    """(name, parameter) of what the transfer trains: the attention's own parameters."""
+def _trainable(student, train_value_output, train_projection=False):
+    """(name, tensor) of what the transfer trains: the attention's own parameters (and, with `train_projection`,
+    each self-attention's projection buffer)."""
     layout = _layout(student)
     wanted = (layout.query + ".", layout.key + ".", *TABLE_PARAMETERS)
     if train_value_output:
@@ -145,6 +152,9 @@ def _trainable(student, train_value_output):
             local = name.split(f".{layout.self_attention}.", 1)[1]
             if local.startswith(wanted):
                 chosen.append((name, param))
+    if train_projection:
+        chosen += [(name, buffer) for name, buffer in student.base_model.named_buffers()
+                   if name.endswith(f".{layout.self_attention}.{PROJECTION}")]
     return chosen
 
 
@@ -211,12 +221,15 @@ def _layer_errors(student_layers, student_encoder, recorder, mask, segment_ids=N
     return torch.stack(errors)
 
 
-def adam_with_cosine_decay(trainable, steps, learning_rate, table_learning_rate):
-    """(Adam, LambdaLR) for (name, parameter) pairs: `table_learning_rate` for the TABLE_PARAMETERS, `learning_rate`
-    for the rest, both decayed to a tenth along a cosine over `steps`."""
+def adam_with_cosine_decay(trainable, steps, learning_rate, table_learning_rate, projection_learning_rate=0.0):
+    """(Adam, LambdaLR) for (name, parameter) pairs: `table_learning_rate` for the TABLE_PARAMETERS,
+    `projection_learning_rate` for feature-map projections, `learning_rate` for the rest, all decayed to a tenth
+    along a cosine over `steps`."""
     tables = [p for name, p in trainable if name.endswith(TABLE_PARAMETERS)]
-    weights = [p for name, p in trainable if not name.endswith(TABLE_PARAMETERS)]
-    groups = [{"params": weights, "lr": learning_rate}, {"params": tables, "lr": table_learning_rate}]
+    projections = [p for name, p in trainable if name.endswith("." + PROJECTION)]
+    weights = [p for name, p in trainable if not name.endswith((*TABLE_PARAMETERS, "." + PROJECTION))]
+    groups = [{"params": weights, "lr": learning_rate}, {"params": tables, "lr": table_learning_rate},
+              {"params": projections, "lr": projection_learning_rate}]
     optimizer = torch.optim.Adam([g for g in groups if g["params"]])
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: 0.1 + 0.45 * (1 + math.cos(math.pi * min(step / steps, 1.0)))
@@ -274,6 +287,7 @@ def attention_transfer(
     learning_rate: float = TRANSFER_DEFAULTS["learning_rate"],
     table_learning_rate: float = TRANSFER_DEFAULTS["table_learning_rate"],
     seed: int = TRANSFER_DEFAULTS["seed"],
+    projection_learning_rate: float = TRANSFER_DEFAULTS["projection_learning_rate"],
     train_value_output: bool = False,
     eval_texts: Optional[Sequence[Text]] = None,
     eval_batches: int = 4,
@@ -293,6 +307,9 @@ def attention_transfer(
         learning_rate: Adam's rate of the projections, decayed to a tenth along a cosine.
         table_learning_rate: Adam's rate of the RPE table(s) and logit scales (same schedule).
         seed: the order of the texts (the run is deterministic for a seed on one device).
+        projection_learning_rate: Adam's rate of each layer's feature-map projection (same schedule); > 0 learns
+            the feature map (module docstring), 0 keeps the random draw bit-identical. Needs
+            `feature_redraw_interval=0` (a redraw in training would discard what was learned).
         train_value_output: also train the value and output projections (off: they stay bit-identical).
         eval_texts: texts for the before/after report (default: the last `eval_batches` batches of `texts`,
             held out from training, or, with fewer than 5 such batches of texts, the first ones).
@@ -300,11 +317,20 @@ def attention_transfer(
         A `TransferReport` (per-layer relative errors and cosine of mean-pooled embeddings to the source's,
         before and after; loss history; time).
     """
-    if steps < 0 or batch_size < 1 or max_length < 2 or not learning_rate > 0 or not table_learning_rate > 0:
+    if (steps < 0 or batch_size < 1 or max_length < 2 or not learning_rate > 0 or not table_learning_rate > 0
+            or not projection_learning_rate >= 0):
         raise ValueError(
-            f"need steps >= 0, batch_size >= 1, max_length >= 2 and learning rates > 0; got steps={steps}, "
-            f"batch_size={batch_size}, max_length={max_length}, learning_rate={learning_rate}, "
-            f"table_learning_rate={table_learning_rate}"
+            f"need steps >= 0, batch_size >= 1, max_length >= 2, learning rates > 0 and projection_learning_rate >= 0;"
+            f" got steps={steps}, batch_size={batch_size}, max_length={max_length}, learning_rate={learning_rate}, "
+            f"table_learning_rate={table_learning_rate}, projection_learning_rate={projection_learning_rate}"
+        )
+    train_projection = projection_learning_rate > 0
+    if train_projection and getattr(student.config, "feature_redraw_interval", 0) > 0:
+        raise ValueError(
+            f"projection_learning_rate={projection_learning_rate} learns the feature map, but the student redraws its "
+            f"projection every {student.config.feature_redraw_interval} training steps "
+            "(feature_redraw_interval), which would discard it: convert with feature_redraw_interval=0 "
+            "(--feature-redraw-interval 0), or keep projection_learning_rate=0"
         )
     texts = list(texts)
     if not texts:
@@ -337,8 +363,8 @@ def attention_transfer(
     student.eval()  # no dropout, no projection redraw
     student_encoder, student_layers = _layers(student)
     _, teacher_layers = _layers(teacher)
-    trainable = _trainable(student, train_value_output)
-    flags = {param: param.requires_grad for param in student.parameters()}
+    trainable = _trainable(student, train_value_output, train_projection)
+    flags = {tensor: tensor.requires_grad for tensor in (*student.parameters(), *student.buffers())}
     for param in student.parameters():
         param.requires_grad_(False)
     for _, param in trainable:
@@ -378,7 +404,9 @@ def attention_transfer(
     try:
         loss_before, cosine_before = evaluate()
         if steps > 0:
-            optimizer, schedule = adam_with_cosine_decay(trainable, steps, learning_rate, table_learning_rate)
+            optimizer, schedule = adam_with_cosine_decay(
+                trainable, steps, learning_rate, table_learning_rate, projection_learning_rate
+            )
             take = shuffled_cycle(texts, generator)
             progress = _progress(steps, show_progress)
             for step in range(1, steps + 1):

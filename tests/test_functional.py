@@ -227,6 +227,28 @@ def test_logit_scale_matches_reference_with_gradients(algorithm, causal, n, smal
     torch.testing.assert_close(implied @ v, ref, rtol=1e-9, atol=1e-11)
 
 
+@pytest.mark.parametrize("algorithm", EXACT)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_projection_gradient_matches_reference(algorithm, causal, recompute, small_chunks):
+    """A learned feature map (attention transfer's projection_learning_rate) trains the projection W through
+    whichever algorithm runs: its gradient, with a logit scale and padding, as the reference's."""
+    batch, heads, n, d, m = 2, 3, 150, 8, 6
+    q, k, v, projection = random_inputs(batch, heads, n, d, m)
+    projection.requires_grad_(True)
+    scale = torch.tensor([0.5, 3.0, 7.5], dtype=torch.float64)
+    bias = t5_bias(heads, n, num_buckets=16, max_distance=40, bidirectional=not causal)
+    mask = random_padding(batch, n)
+    out = Fn.nprf_attention(q, k, v, bias, projection, mask, algorithm=algorithm, causal=causal, logit_scale=scale,
+                            recompute=recompute)
+    ref = reference_attention(q, k, v, bias, projection, mask, causal, logit_scale=scale)
+    weights = torch.randn_like(ref)
+    (got,) = torch.autograd.grad((out * weights).sum(), projection)
+    (want,) = torch.autograd.grad((ref * weights).sum(), projection)
+    assert want.abs().max() > 1e-3
+    torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-10)
+
+
 def random_segments(batch, n, num_segments=2):
     """Sentence-pair-like segment ids: a first segment, then the rest (the last row: three segments).
     Row 0, which `random_padding` never pads, always has both segments, so cross-segment pairs exist."""

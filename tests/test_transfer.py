@@ -89,6 +89,30 @@ def test_train_value_output_adds_value_and_output_projections(tokenizer):
     assert not any("LayerNorm" in name or "intermediate" in name for name in report.trainable)
 
 
+def test_projection_learning_rate_learns_the_feature_map(tokenizer):
+    """projection_learning_rate > 0 trains each layer's projection buffer as well (saved and reloaded as trained);
+    a student that redraws its projection in training is refused."""
+    teacher = tiny_bert(tokenizer)
+    student = nprf_hf.convert_to_nprf(teacher, tokenizer=tokenizer, num_random_features=16, logit_scale_max=4.0)
+    before = snapshot(student)
+    report = nprf_hf.attention_transfer(
+        student, teacher, tokenizer, TEXTS, steps=3, batch_size=4, projection_learning_rate=1e-2, show_progress=False
+    )
+    projections = {f"encoder.layer.{i}.attention.self.projection" for i in range(2)}
+    assert projections <= set(report.trainable)
+    after = student.state_dict()
+    for name, tensor in before.items():
+        assert torch.equal(after[name], tensor) == (name not in report.trainable), name
+    assert not any(b.requires_grad for b in student.buffers())  # buffers are left as they were found
+    redrawing = nprf_hf.convert_to_nprf(teacher, tokenizer=tokenizer, num_random_features=16, feature_redraw_interval=10)
+    with pytest.raises(ValueError, match="feature_redraw_interval"):
+        nprf_hf.attention_transfer(redrawing, teacher, tokenizer, TEXTS, projection_learning_rate=1e-2,
+                                   show_progress=False)
+    with pytest.raises(ValueError, match="projection_learning_rate >= 0"):
+        nprf_hf.attention_transfer(student, teacher, tokenizer, TEXTS, projection_learning_rate=-1.0,
+                                   show_progress=False)
+
+
 def layer_errors(student, teacher, batch):
     """The transfer's per-layer relative errors for one encoded batch."""
     recorder = transfer._TeacherRecorder(list(teacher.encoder.layer))
