@@ -23,6 +23,7 @@ ATTENTION_VARIANTS = {
 }
 QUADRATIC_VARIANTS = ("normalized_softmax", "softmax")  # computed from the n x n weights
 NORMALIZED_VARIANTS = ("nprf", "normalized_softmax")  # q, k L2-normalized: the logit scale applies
+PROJECTED_VARIANTS = ("nprf", "prf")  # features exp(W x ...): what a learned feature map trains
 FEATURE_MAPS = ("orf", "prf")
 ATTENTION_ALGORITHMS = ALGORITHMS
 # attention_recompute -> `nprf_attention(recompute=...)`: auto (None) = the long-input algorithms only

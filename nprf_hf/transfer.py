@@ -29,7 +29,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 
 from .nprf_terms import ATTENTION_TERMS
-from .options import TRANSFER_DEFAULTS
+from .options import PROJECTED_VARIANTS, TRANSFER_DEFAULTS
 
 
 Text = Union[str, Tuple[str, str]]
@@ -325,6 +325,13 @@ def attention_transfer(
             f"table_learning_rate={table_learning_rate}, projection_learning_rate={projection_learning_rate}"
         )
     train_projection = projection_learning_rate > 0
+    variant = getattr(student.config, "attention_variant", "nprf")
+    if train_projection and variant not in PROJECTED_VARIANTS:
+        raise ValueError(
+            f"projection_learning_rate={projection_learning_rate} learns the feature map's projection, but "
+            f"attention_variant={variant!r} has none (those with one: {', '.join(PROJECTED_VARIANTS)}): "
+            "keep projection_learning_rate=0"
+        )
     if train_projection and getattr(student.config, "feature_redraw_interval", 0) > 0:
         raise ValueError(
             f"projection_learning_rate={projection_learning_rate} learns the feature map, but the student redraws its "

@@ -89,9 +89,10 @@ def test_train_value_output_adds_value_and_output_projections(tokenizer):
     assert not any("LayerNorm" in name or "intermediate" in name for name in report.trainable)
 
 
-def test_projection_learning_rate_learns_the_feature_map(tokenizer):
-    """projection_learning_rate > 0 trains each layer's projection buffer as well (saved and reloaded as trained);
-    a student that redraws its projection in training is refused."""
+def test_projection_learning_rate_learns_the_feature_map(tokenizer, tmp_path):
+    """projection_learning_rate > 0 trains each layer's projection buffer as well, and nothing beyond what it
+    reports, and the saved model loads with the learned map; a student that redraws its projection in training, or
+    has none, is refused."""
     teacher = tiny_bert(tokenizer)
     student = nprf_hf.convert_to_nprf(teacher, tokenizer=tokenizer, num_random_features=16, logit_scale_max=4.0)
     before = snapshot(student)
@@ -104,9 +105,16 @@ def test_projection_learning_rate_learns_the_feature_map(tokenizer):
     for name, tensor in before.items():
         assert torch.equal(after[name], tensor) == (name not in report.trainable), name
     assert not any(b.requires_grad for b in student.buffers())  # buffers are left as they were found
+    student.save_pretrained(tmp_path)  # the learned map is what a user loads, not a fresh draw
+    reloaded = type(student).from_pretrained(tmp_path)
+    assert torch.equal(reloaded.encoder.layer[1].attention.self.projection, after["encoder.layer.1.attention.self.projection"])
     redrawing = nprf_hf.convert_to_nprf(teacher, tokenizer=tokenizer, num_random_features=16, feature_redraw_interval=10)
     with pytest.raises(ValueError, match="feature_redraw_interval"):
         nprf_hf.attention_transfer(redrawing, teacher, tokenizer, TEXTS, projection_learning_rate=1e-2,
+                                   show_progress=False)
+    linear = nprf_hf.convert_to_nprf(teacher, tokenizer=tokenizer, attention_variant="elu_linear")
+    with pytest.raises(ValueError, match="'elu_linear' has none"):
+        nprf_hf.attention_transfer(linear, teacher, tokenizer, TEXTS, projection_learning_rate=1e-2,
                                    show_progress=False)
     with pytest.raises(ValueError, match="projection_learning_rate >= 0"):
         nprf_hf.attention_transfer(student, teacher, tokenizer, TEXTS, projection_learning_rate=-1.0,
