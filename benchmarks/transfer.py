@@ -46,7 +46,7 @@ VARIANTS = {
     "scale8-m32": ({"logit_scale_max": 8.0, "num_random_features": 32}, {}),  # fewer FLOPs at GLUE lengths
     "scale8-m16": ({"logit_scale_max": 8.0, "num_random_features": 16}, {}),
     "scale8-vo": ({"logit_scale_max": 8.0}, {"train_value_output": True}),
-    # a learned feature map: the projection trains too (Hedgehog-style), at the cost of m = 64
+    # a learned feature map: the projection trains too (Hedgehog-style); same m, same cost per step
     "scale8-learned": ({"logit_scale_max": 8.0}, {"projection_learning_rate": 1e-2}),
     "scale8-m16-learned": ({"logit_scale_max": 8.0, "num_random_features": 16}, {"projection_learning_rate": 1e-2}),
     "sink": ({"first_token_bias": True}, {}),

@@ -52,7 +52,8 @@ TRANSFER_OPTIONS = {
                                  "(e.g. 1e-2), 0 keeps the random draw"),
     "seed": (int, "seed of the text order"),
 }
-GLUE_TRANSFER_OPTIONS = ("batch_size", "learning_rate", "table_learning_rate", "projection_learning_rate")  # the GLUE scripts' own besides steps
+# the GLUE scripts' own besides steps
+GLUE_TRANSFER_OPTIONS = ("batch_size", "learning_rate", "table_learning_rate", "projection_learning_rate")
 
 # `long_context_distillation`'s trainable sets and defaults (the CLI's --long-context-* options read them)
 LONG_CONTEXT_TRAIN = ("attention", "encoder")
