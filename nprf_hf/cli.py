@@ -96,7 +96,8 @@ def add_convert_parser(subparsers):
     )
     _add_recipe_options(
         parser.add_argument_group("attention transfer", "after converting, train the NPRF attention (query/key "
-                                  "projections, RPE table, logit scales) so that every layer reproduces the source's "
+                                  "projections, RPE table, logit scales; the feature map's projection too with "
+                                  "--attention-transfer-projection-learning-rate) so that every layer reproduces the source's "
                                   "softmax attention output on unlabeled text (nprf_hf.attention_transfer)"),
         "attention-transfer", options.TRANSFER_OPTIONS, options.TRANSFER_DEFAULTS, "RATE", "plain text file (one text "
         "per line) or GLUE task folder (its train.tsv sentences / pairs); omitted = no transfer",
