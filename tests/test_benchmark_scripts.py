@@ -293,8 +293,45 @@ def test_short_length_benchmark_casts_both_models_to_the_dtype(tmp_path, monkeyp
     monkeypatch.setattr(short_length, "time_pair", spy)
     result = short_length.main(["--sizes", "minilm", "--points", "2x16", "--repeats", "1", "--threads", "1",
                                 "--dropout", "0", "--dtype", "bfloat16", "--output", str(tmp_path / "s.json")])
-    assert seen and all(d == {"sdpa": torch.bfloat16, 64: torch.bfloat16} for d in seen)  # SDPA and the NPRF model of m = 64
+    # SDPA and the NPRF model of m = 64
+    assert seen and all(d == {("eager", "sdpa"): torch.bfloat16, ("eager", 64): torch.bfloat16} for d in seen)
     assert result["settings"]["dtype"] == "bfloat16" and result["rows"][0]["train_step_s"]["nprf"] > 0
+
+
+def test_short_length_benchmark_times_eager_and_compiled_models_in_the_same_runs(tmp_path, monkeypatch):
+    """--modes eager compiled: every model in both modes in one alternating loop, rows per mode, and each NPRF time
+    also against the faster SDPA of the two (torch.compile replaced by a wrapper that counts calls: inductor would
+    take minutes here)."""
+    short_length = load_script("short_length")
+    compiled, calls = [], []
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+            compiled.append(model)
+
+        def forward(self, **inputs):
+            calls.append(self.model)
+            return self.model(**inputs)
+
+    monkeypatch.setattr(short_length.torch, "compile", Wrapper)
+    result = short_length.main(["--sizes", "minilm", "--points", "2x16", "--repeats", "1", "--threads", "1",
+                                "--dropout", "0", "--features", "8", "--modes", "eager", "compiled",
+                                "--output", str(tmp_path / "s.json")])
+    assert len(compiled) == 2 and calls  # SDPA and the NPRF model wrapped once each, and run
+    rows = result["rows"]
+    assert [(row["mode"], row["features"]) for row in rows] == [("eager", 8), ("compiled", 8)]
+    for kind in ("forward", "train_step"):
+        fastest = min(row[f"{kind}_s"]["sdpa"] for row in rows)
+        for row in rows:
+            assert row[f"{kind}_nprf_over_fastest_sdpa"] == pytest.approx(row[f"{kind}_s"]["nprf"] / fastest)
+            assert row[f"{kind}_nprf_over_fastest_sdpa"] >= row[f"{kind}_nprf_over_sdpa"] - 1e-12
+    assert rows[0]["train_step_s"]["sdpa"] != rows[1]["train_step_s"]["sdpa"]  # timed apart
+    compiled.clear()
+    legacy = short_length.main(["--sizes", "minilm", "--points", "2x16", "--repeats", "1", "--threads", "1",
+                                "--dropout", "0", "--features", "8", "--compile", "--output", str(tmp_path / "c.json")])
+    assert len(compiled) == 2 and [row["mode"] for row in legacy["rows"]] == ["compiled"]
 
 
 def test_kept_memory_counts_what_backward_keeps(tmp_path):
