@@ -19,8 +19,8 @@ product's FLOPs grow with m: what a smaller m buys at these lengths).
 `--dtype` casts both models (parameters and compute); `--modes eager compiled` times every model both eagerly and
 through `torch.compile` in the same alternating runs (`--compile` = `--modes compiled`), the untimed warm-ups
 absorbing the compile: each row compares NPRF with SDPA in its own mode, and also with the faster SDPA of the
-modes run (what a user who may compile either model compares). On CUDA the padded batches give SDPA a mask, so it runs its
-memory-efficient kernel rather than flash (what a padded GLUE batch gets).
+modes run (what a user who may compile either model compares). On CUDA the padded batches give SDPA a mask, so
+it runs its memory-efficient kernel rather than flash (what a padded GLUE batch gets).
 """
 
 import argparse
@@ -99,7 +99,8 @@ def main(argv=None):
     parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:0, ...) (default: %(default)s)")
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="both models' dtype (default: %(default)s)")
     parser.add_argument("--modes", nargs="+", default=["eager"], choices=MODES,
-                        help="eager and/or torch.compile'd models, all timed in the same alternating runs (default: %(default)s)")
+                        help="eager and/or torch.compile'd models, all timed in the same alternating runs "
+                             "(default: %(default)s)")
     parser.add_argument("--compile", action="store_true", help="the same as --modes compiled")
     parser.add_argument("--features", type=int, nargs="+", default=[64],
                         help="NPRF random features m; several values time one NPRF model each in the same alternating "
