@@ -316,6 +316,8 @@ def test_short_length_benchmark_times_eager_and_compiled_models_in_the_same_runs
             return self.model(**inputs)
 
     monkeypatch.setattr(short_length.torch, "compile", Wrapper)
+    # main raises dynamo's recompile limit when compiling: put it back afterwards for the other tests
+    monkeypatch.setattr(torch._dynamo.config, "cache_size_limit", torch._dynamo.config.cache_size_limit)
     result = short_length.main(["--sizes", "minilm", "--points", "2x16", "--repeats", "1", "--threads", "1",
                                 "--dropout", "0", "--features", "8", "--modes", "eager", "compiled",
                                 "--output", str(tmp_path / "s.json")])
