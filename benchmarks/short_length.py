@@ -158,28 +158,24 @@ def main(argv=None):
                         if isinstance(module, torch.nn.Dropout):
                             module.p = probability
                 training = time_pair(models, inputs, train=True, repeats=args.repeats, device=device, warmups=warmups)
-                fastest = {kind: min(times[(mode, "sdpa")] for mode in args.modes)
-                           for kind, times in (("forward", forward), ("train_step", training))}
+                timed = {"forward": forward, "train_step": training}
                 # one row per mode and NPRF model, each against the SDPA times of the same runs
                 for mode in args.modes:
                     for m in args.features:
-                        forward_s = {"sdpa": forward[(mode, "sdpa")], "nprf": forward[(mode, m)]}
-                        train_step_s = {"sdpa": training[(mode, "sdpa")], "nprf": training[(mode, m)]}
-                        row = {
-                            "size": size, "batch": batch, "length": length, "dropout": probability, "features": m,
-                            "mode": mode, "forward_s": forward_s, "train_step_s": train_step_s,
-                            "forward_nprf_over_sdpa": forward_s["nprf"] / forward_s["sdpa"],
-                            "train_step_nprf_over_sdpa": train_step_s["nprf"] / train_step_s["sdpa"],
-                            "forward_nprf_over_fastest_sdpa": forward_s["nprf"] / fastest["forward"],
-                            "train_step_nprf_over_fastest_sdpa": train_step_s["nprf"] / fastest["train_step"],
-                        }
+                        row = {"size": size, "batch": batch, "length": length, "dropout": probability, "features": m,
+                               "mode": mode}
+                        text = []
+                        for kind, times in timed.items():
+                            sdpa, nprf = times[(mode, "sdpa")], times[(mode, m)]
+                            fastest = min(times[(other, "sdpa")] for other in args.modes)
+                            row[f"{kind}_s"] = {"sdpa": sdpa, "nprf": nprf}
+                            row[f"{kind}_nprf_over_sdpa"] = nprf / sdpa
+                            row[f"{kind}_nprf_over_fastest_sdpa"] = nprf / fastest
+                            text.append(f"{kind.replace('_', ' ')} sdpa {1e3 * sdpa:8.1f} ms  nprf {1e3 * nprf:8.1f} ms  "
+                                        f"ratio {nprf / sdpa:.2f} (fastest sdpa {nprf / fastest:.2f})")
                         rows.append(row)
-                        print(f"{size:<13} B={batch:<3} n={length:<5} {mode:<8} m={m:<4} forward sdpa "
-                              f"{1e3 * forward_s['sdpa']:8.1f} ms  nprf {1e3 * forward_s['nprf']:8.1f} ms  ratio "
-                              f"{row['forward_nprf_over_sdpa']:.2f} (fastest sdpa {row['forward_nprf_over_fastest_sdpa']:.2f})"
-                              f"   train step (dropout {probability}) sdpa {1e3 * train_step_s['sdpa']:8.1f} ms  nprf "
-                              f"{1e3 * train_step_s['nprf']:8.1f} ms  ratio {row['train_step_nprf_over_sdpa']:.2f} "
-                              f"(fastest sdpa {row['train_step_nprf_over_fastest_sdpa']:.2f})", flush=True)
+                        print(f"{size:<13} B={batch:<3} n={length:<5} {mode:<8} m={m:<4} dropout {probability}  "
+                              + "   ".join(text), flush=True)
     result = {
         "settings": {**vars(args), "torch": torch.__version__,
                      "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()},
