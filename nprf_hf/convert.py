@@ -128,10 +128,10 @@ def bucket_attention_bias(
     query_mask, key_mask: `[B, n]` bool, which queries / keys take part (e.g. no padding, no special
     tokens). Rows are renormalised over the kept keys. causal: decoder attention (keys j <= i only,
     unidirectional buckets, as T5's decoder).
-    Returns `[L, H, num_buckets]`: `log(mean attention weight of a (query, key) pair in the bucket)`,
-    i.e. the attention mass per bucket normalised by the number of pairs in it, centred to mean zero
-    over the buckets seen. Buckets with no pair (distances longer than the text) take the value of
-    the nearest seen bucket on the same side.
+    Returns `[L, H, num_buckets]`: `log(mean over the bucket's (query, key) pairs of the pair's attention
+    weight relative to uniform over its query's kept keys)`, centred to mean zero over the buckets seen.
+    Buckets with no pair (distances longer than the text) take the value of the nearest seen bucket on
+    the same side. `floor` bounds that ratio from below.
     """
     n = attentions[0].shape[-1]
     positions = torch.arange(n)
@@ -144,6 +144,9 @@ def bucket_attention_bias(
     if causal:
         pair_mask = pair_mask & torch.ones(n, n, dtype=torch.bool).tril()
     key_mask = key_mask[:, None, None, :] if not causal else pair_mask[:, None]  # [B, 1, 1 or n, n]
+    # Causal row i has i + 1 keys, so its raw weights are larger the shorter the row, and near distances
+    # occur mostly in short rows: weighing each row by its key count makes uniform attention flat.
+    keys_per_row = key_mask.sum(-1, keepdim=True).to(torch.float64)  # [B, 1, 1 or n, 1]
     pair_mask = pair_mask.to(torch.float64)
     pair_count = torch.einsum("bij,ijk->k", pair_mask, one_hot)  # [nb]
     seen = pair_count > 0
@@ -152,11 +155,11 @@ def bucket_attention_bias(
     biases = []
     for attn in attentions:
         attn = attn.detach().to(torch.float64) * key_mask
-        attn = attn / attn.sum(-1, keepdim=True).clamp_min(1e-30)
+        attn = attn / attn.sum(-1, keepdim=True).clamp_min(1e-30) * keys_per_row
         attn = attn * query_mask[:, None, :, None]
         mass = torch.einsum("bhij,ijk->hk", attn, one_hot)  # [H, nb]
-        mean_weight = mass / pair_count.clamp_min(1)
-        log_weight = mean_weight.clamp_min(floor).log()
+        mean_ratio = mass / pair_count.clamp_min(1)
+        log_weight = mean_ratio.clamp_min(floor).log()
         log_weight = log_weight - log_weight[:, seen].mean(-1, keepdim=True)
         biases.append(_fill_unseen_buckets(log_weight, seen, causal))
     return torch.stack(biases).to(torch.float32)

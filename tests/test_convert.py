@@ -310,10 +310,29 @@ def test_bucket_attention_bias_recovers_distance_preference():
     assert torch.allclose(bias[0], torch.zeros(heads, 16), atol=1e-6)  # uniform attention: flat
     bucket_prev = t5_relative_position_bucket(torch.tensor(-1), num_buckets=16, max_distance=32).item()
     assert (bias[1].argmax(-1) == bucket_prev).all()
-    # causal: only keys at or before the query count
-    causal = torch.tril(torch.ones(n, n)) / torch.arange(1, n + 1)[:, None]
-    bias = bucket_attention_bias([causal[None, None]], keep, keep, num_buckets=16, max_distance=32, causal=True)
-    assert torch.isfinite(bias).all() and bias.shape == (1, 1, 16)
+
+
+def test_bucket_attention_bias_causal_uniform_is_flat_and_previous_token_peaks_at_one():
+    """Row i of causal attention has i + 1 keys: a teacher with no distance preference must still calibrate to
+    a flat bias, although near distances are seen in more (and shorter) rows than far ones."""
+    n, heads = 40, 2
+    positions = torch.arange(n)
+    relative = positions[None, :] - positions[:, None]
+    uniform = (torch.tril(torch.ones(n, n)) / torch.arange(1, n + 1)[:, None]).expand(1, heads, n, n)
+    previous = (relative == -1).float().expand(1, heads, n, n).clone()
+    previous[..., 0, 0] = 1.0  # first query attends to itself
+    keep = torch.ones(1, n, dtype=torch.bool)
+    bias = bucket_attention_bias([uniform, previous], keep, keep, num_buckets=16, max_distance=32, causal=True)
+    assert bias.shape == (2, heads, 16)
+    assert (bias[0].amax(-1) - bias[0].amin(-1) <= 0.05).all(), bias[0]  # was a 1.34-nat recency slope
+    bucket_prev = t5_relative_position_bucket(torch.tensor(-1), bidirectional=False, num_buckets=16,
+                                              max_distance=32).item()
+    assert bucket_prev == 1 and (bias[1].argmax(-1) == bucket_prev).all(), bias[1]
+    # special tokens left out (as calibrate_rpe does): row i then has i keys, and uniform is still flat
+    keep[0, 0] = keep[0, -1] = False
+    uniform = (torch.tril(torch.ones(n, n)) / torch.arange(1, n + 1)[:, None]).expand(1, heads, n, n)
+    bias = bucket_attention_bias([uniform], keep, keep, num_buckets=16, max_distance=32, causal=True)
+    assert (bias[0].amax(-1) - bias[0].amin(-1) <= 0.05).all(), bias[0]
 
 
 # ---------------------------------------------------------------------------------------------
