@@ -448,14 +448,19 @@ def test_autocast_bf16_and_dtype_casts():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         mixed = model(**inputs).logits
     assert torch.isfinite(mixed).all()
-    assert torch.allclose(mixed.float(), reference, atol=5e-2)
+    # the logits are ~1e-2, below any absolute bf16 tolerance: errors are measured relative to the reference's
+    # norm (measured: 0.006 autocast, 0.03 bf16 weights), so that zeros (1.0) or a sign flip (2.0) fail
+    def relative_error(out):
+        return ((out.float() - reference).norm() / reference.norm()).item()
+
+    assert relative_error(mixed) < 0.05
     double = model.to(torch.float64)(**inputs).logits
     assert double.dtype == torch.float64 and torch.allclose(double.float(), reference, atol=1e-5)
     half = model.to(torch.bfloat16)
     assert half.bert.encoder.layer[0].attention.self.projection.dtype == torch.bfloat16
     low = half(**inputs).logits
     assert low.dtype == torch.bfloat16 and torch.isfinite(low).all()
-    assert torch.allclose(low.float(), reference, atol=1e-1)
+    assert relative_error(low) < 0.15
 
 
 @pytest.mark.skipif(not os.environ.get("NPRF_RUN_SLOW"), reason="torch.compile takes ~45-80 s on 2 CPU cores; set NPRF_RUN_SLOW=1")
