@@ -1,0 +1,181 @@
+# coding=utf-8
+"""The "triton" algorithm: the banded NPRF product as fused GPU kernels (`nprf_triton_kernels`), forward and
+backward, bidirectional and causal, with key padding and the logit scale. The feature map and the q / k
+normalization run inside the kernels: what is kept for backward is q, k, v, the output, its denominator and the
+per-block key states (n / BT x m x d_v per head), never the [n, m] features.
+
+Triton is optional: this file imports it only when the algorithm runs (a model's remote code must load on
+machines without it), and on CPU tensors only under TRITON_INTERPRET=1 (Triton's interpreter, which the tests
+use).
+"""
+
+import logging
+import math
+import os
+
+import torch
+
+from .nprf_features import NORM_EPS
+
+
+logger = logging.getLogger(__name__)
+
+# Rows per block (queries and keys alike): the band is REACH = ceil((W - 1) / BLOCK) key blocks on either side
+# of a query block. 64 is flash attention's usual tile for d = 64 (not measured here yet: no GPU was at hand).
+BLOCK = 64
+_told = set()
+
+
+def triton_available():
+    """Whether Triton imports (a CUDA device or its interpreter is still needed to run the kernels)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def interpreting():
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_unsupported(query, projection, variant, terms, causal):
+    """None when the kernels can compute this call, else why not (what falls back to the PyTorch algorithms)."""
+    if not triton_available():
+        return "Triton does not import (pip install triton)"
+    if not (query.is_cuda or interpreting()):
+        return f"the inputs are on {query.device.type}, and Triton runs on CUDA devices (or with TRITON_INTERPRET=1)"
+    if variant != "nprf":
+        return f"variant={variant!r} (the kernels compute the paper's NPRF features)"
+    unfused = [term.name for term in terms.terms if term.feature_scale() is None]
+    if unfused:
+        return f"the terms {', '.join(unfused)} are not fused (the logit scale is)"
+    if projection.requires_grad and torch.is_grad_enabled():
+        return "a learned feature map (the projection's gradient is not computed by the kernels)"
+    return None
+
+
+def log_fallback_once(reason):
+    """One log line per reason and process: a call that asked for "triton" (or got it from "auto") and runs the
+    PyTorch algorithms instead."""
+    if reason not in _told:
+        _told.add(reason)
+        logger.warning("nprf_attention: the Triton kernels do not run here (%s); using the PyTorch algorithms", reason)
+
+
+def triton_attention(query, key, value, rpe_bias, projection, key_padding_mask, logit_scale, band_width, causal,
+                     block=BLOCK):
+    """`nprf_attention` through the kernels: query, key [B, H, n, d], value [B, H, n, d_v], rpe_bias [H, 2n - 1]
+    (unmasked; tied beyond `band_width`), projection [m, d] or [H, m, d], key_padding_mask [B, n] or None,
+    logit_scale [H] or None. Returns [B, H, n, d_v] in value's dtype."""
+    heads, n = query.shape[1], query.shape[2]
+    bias = rpe_bias.float()
+    # c_r = exp(b_r - max b) <= 1; the ratios are shift-invariant, and the kernels read c, not b
+    c = torch.exp(bias - bias.detach().amax(dim=-1, keepdim=True))
+    if logit_scale is None:
+        root = torch.ones(heads, device=query.device)
+    else:
+        root = logit_scale.float().sqrt()
+    reach = -(-(min(band_width, n) - 1) // block)
+    return _TritonProduct.apply(query, key, value, c, root, projection, key_padding_mask, causal, reach, block)
+
+
+def _sizes(query, value, projection, block):
+    batch, heads, n, d = query.shape
+    m = projection.shape[-2]
+    pow2 = lambda x: max(16, 1 << (x - 1).bit_length())  # noqa: E731  (tl.dot needs sizes >= 16, powers of 2)
+    return dict(batch=batch, heads=heads, n=n, d=d, dv=value.shape[-1], m=m, blocks=-(-n // block),
+                BD=pow2(d), BV=pow2(value.shape[-1]), BM=pow2(m), BT=block)
+
+
+def _prefix(states):
+    """[BH, NC, ...] per-block sums -> [BH, NC + 1, ...] exclusive prefix sums (entry NC is the total)."""
+    prefix = states.new_zeros(states.shape[0], states.shape[1] + 1, *states.shape[2:])
+    torch.cumsum(states, dim=1, out=prefix[:, 1:])
+    return prefix
+
+
+def _mask_arg(key_padding_mask, query):
+    if key_padding_mask is None:
+        return torch.zeros(1, dtype=torch.int8, device=query.device), 0, False
+    mask = key_padding_mask.to(device=query.device, dtype=torch.int8).contiguous()
+    return mask, mask.stride(0), True
+
+
+class _TritonProduct(torch.autograd.Function):
+    """z = NPRF attention of (q, k, v) with Toeplitz coefficients c [H, 2n - 1] and feature scale root [H]."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, c, root, projection, key_padding_mask, causal, reach, block):
+        from . import nprf_triton_kernels as kernels
+
+        s = _sizes(query, value, projection, block)
+        half = query.dtype in (torch.float16, torch.bfloat16)
+        projection = projection.detach().float().contiguous()
+        c, root = c.detach().float().contiguous(), root.detach().float().contiguous()
+        mask, stride_mb, has_mask = _mask_arg(key_padding_mask, query)
+        bh, nc = s["batch"] * s["heads"], s["blocks"]
+        states = query.new_empty(bh, nc, s["BM"], s["BV"], dtype=torch.float32)
+        sums = query.new_empty(bh, nc, s["BM"], dtype=torch.float32)
+        common = dict(W_PER_HEAD=int(projection.dim() == 3), EPS=NORM_EPS, HALF=half, BT=block, BD=s["BD"],
+                      BV=s["BV"], BM=s["BM"])
+        sizes = (s["heads"], s["n"], s["d"], s["dv"], s["m"], nc)
+        log_m_half = 0.5 * math.log(s["m"])
+        grid = (nc, bh)
+        kernels.nprf_key_states_kernel[grid](
+            key, value, projection, mask, root, states, sums, *key.stride(), *value.stride(), stride_mb,
+            *sizes, log_m_half, HAS_MASK=has_mask, **common,
+        )
+        prefix, prefix_sums = _prefix(states), _prefix(sums)
+        out = torch.empty(s["batch"], s["heads"], s["n"], s["dv"], device=query.device, dtype=value.dtype)
+        denominator = torch.empty(s["batch"], s["heads"], s["n"], device=query.device, dtype=torch.float32)
+        kernels.nprf_forward_kernel[grid](
+            query, key, value, projection, mask, root, c, prefix, prefix_sums, out, denominator,
+            *query.stride(), *key.stride(), *value.stride(), stride_mb, *sizes, reach, log_m_half,
+            CAUSAL=causal, HAS_MASK=has_mask, **common,
+        )
+        ctx.save_for_backward(query, key, value, c, root, projection, mask, prefix, prefix_sums, out, denominator)
+        ctx.settings = (causal, reach, block, has_mask, stride_mb)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        from . import nprf_triton_kernels as kernels
+
+        query, key, value, c, root, projection, mask, prefix, prefix_sums, out, denominator = ctx.saved_tensors
+        causal, reach, block, has_mask, stride_mb = ctx.settings
+        s = _sizes(query, value, projection, block)
+        half = query.dtype in (torch.float16, torch.bfloat16)
+        bh, nc = s["batch"] * s["heads"], s["blocks"]
+        # dz_i / den_i and -(that . z_i): the gradient of weight (i, j) is g_i . v_j + delta_i
+        kept = denominator > 0
+        g = torch.where(kept[..., None], grad_out.float() / torch.where(kept, denominator, 1.0)[..., None], 0.0)
+        delta = -(g * out.float()).sum(-1)
+        g, delta = g.contiguous(), delta.contiguous()
+        common = dict(W_PER_HEAD=int(projection.dim() == 3), EPS=NORM_EPS, HALF=half, BT=block, BD=s["BD"],
+                      BV=s["BV"], BM=s["BM"])
+        sizes = (s["heads"], s["n"], s["d"], s["dv"], s["m"], nc)
+        log_m_half = 0.5 * math.log(s["m"])
+        grid = (nc, bh)
+        query_states = query.new_empty(bh, nc, s["BM"], s["BV"], dtype=torch.float32)
+        query_sums = query.new_empty(bh, nc, s["BM"], dtype=torch.float32)
+        kernels.nprf_query_states_kernel[grid](
+            query, g, delta, projection, root, query_states, query_sums, *query.stride(), *sizes, log_m_half,
+            **common,
+        )
+        query_prefix, query_prefix_sums = _prefix(query_states), _prefix(query_sums)
+        dq = torch.empty(s["batch"], s["heads"], s["n"], s["d"], device=query.device, dtype=torch.float32)
+        dk, dv = torch.empty_like(dq), torch.empty(*dq.shape[:3], s["dv"], device=query.device, dtype=torch.float32)
+        dc = torch.zeros_like(c)
+        droot = torch.zeros_like(root)
+        strides = (*query.stride(), *key.stride(), *value.stride(), stride_mb)
+        kernels.nprf_query_grad_kernel[grid](
+            query, key, value, projection, mask, root, c, prefix, prefix_sums, g, delta, dq, dc, droot,
+            *strides, *sizes, reach, log_m_half, CAUSAL=causal, HAS_MASK=has_mask, NEED_DC=ctx.needs_input_grad[3],
+            **common,
+        )
+        kernels.nprf_key_grad_kernel[grid](
+            query, key, value, projection, mask, root, c, query_prefix, query_prefix_sums, g, delta, dk, dv, droot,
+            *strides, *sizes, reach, log_m_half, CAUSAL=causal, HAS_MASK=has_mask, **common,
+        )
+        return (dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), dc, droot, None, None, None, None, None)

@@ -1,0 +1,304 @@
+# coding=utf-8
+"""Triton kernels of the banded NPRF product (`nprf_triton` launches them and holds their autograd Function).
+
+Per (sequence, head) and block of BT rows. T5 buckets make b_r constant for |r| >= W, so for a query block the
+keys split into the REACH = ceil((W - 1) / BT) key blocks on either side of it (the band: weights
+c_{j-i} phi_q . phi_k computed exactly, tile by tile, with c read per pair) and every block beyond them (far:
+one constant c per direction, so a linear attention read from prefix sums of per-block states
+S = sum_j phi_k [v, 1]^T, kept only at block boundaries). phi is computed in the kernels from q, k and the
+projection and recomputed in backward; no [n, m] feature tensor reaches memory.
+
+Backward, with g_i = dz_i / den_i and delta_i = -g_i . z_i (the gradient of the product's weights is
+dA_ij = g_i . v_j + delta_i): dphi_q reads the forward's key states, dphi_k and dv read the same kind of states
+built from (phi_q, g, delta), and the bias gets dA_ij phi_q . phi_k per pair (the far blocks' sum goes to the
+outermost entry of each direction, r = +-(n - 1), exact for a bias tied beyond W).
+"""
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as error:  # only `nprf_triton` imports this file, after checking that Triton imports
+    raise ImportError("the Triton kernels of nprf-hf need the `triton` package: pip install triton") from error
+
+
+@triton.jit
+def _dot(a, b, HALF: tl.constexpr):
+    """a @ b with fp32 accumulation: bf16 operands on tensor cores for half inputs, full fp32 otherwise."""
+    if HALF:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _load_rows(ptr, rows, n, cols, width, stride_n, stride_d):
+    """[BT, BD] fp32 rows of a [n, width] matrix, zeros outside."""
+    mask = (rows[:, None] < n) & (cols[None, :] < width)
+    return tl.load(ptr + rows[:, None] * stride_n + cols[None, :] * stride_d, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _features(x, w, root, m, log_m_half, EPS: tl.constexpr, HALF: tl.constexpr):
+    """phi(y) = exp(W y - |y|^2 / 2) / sqrt(m) of y = root x / max(|x|, EPS) for x [BT, BD], w [BM, BD];
+    returns (phi [BT, BM] with the columns >= m zeroed, y, x's inverse norm)."""
+    norm = tl.sqrt(tl.sum(x * x, axis=1))
+    inverse = root / tl.maximum(norm, EPS)
+    y = x * inverse[:, None]
+    shift = 0.5 * tl.sum(y * y, axis=1) + log_m_half
+    wy = _dot(y, tl.trans(w), HALF)
+    features = tl.arange(0, w.shape[0])
+    phi = tl.where(features[None, :] < m, tl.exp(wy - shift[:, None]), 0.0)
+    return phi, y, inverse
+
+
+@triton.jit
+def _input_grad(dphi, phi, y, inverse, w, root, HALF: tl.constexpr):
+    """(dx [BT, BD], d root summed over the rows) from dphi [BT, BM] through `_features`."""
+    e = dphi * phi
+    dy = _dot(e, w, HALF) - y * tl.sum(e, axis=1)[:, None]
+    u = y / root  # x / max(|x|, EPS)
+    droot = tl.sum(tl.sum(dy * u, axis=1), axis=0)
+    # y / root is a unit vector where |x| > EPS (the radial part of dy has no effect there), x / EPS below
+    unit = tl.sum(u * u, axis=1) > 0.5
+    radial = tl.where(unit, tl.sum(u * dy, axis=1), 0.0)
+    dx = (dy - u * radial[:, None]) * inverse[:, None]
+    return dx, droot
+
+
+@triton.jit
+def nprf_key_states_kernel(
+    K, V, W, MASK, ROOT, S, Z,
+    stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, stride_mb,
+    H, N, D, DV, M, NC, log_m_half,
+    HAS_MASK: tl.constexpr, W_PER_HEAD: tl.constexpr, EPS: tl.constexpr, HALF: tl.constexpr,
+    BT: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr,
+):
+    """Per key block: S = phi_k^T v [BM, BV] and Z = sum_j phi_k [BM] (padded keys count in neither)."""
+    block, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    rows = block * BT + tl.arange(0, BT)
+    cols_d, cols_v, feats = tl.arange(0, BD), tl.arange(0, BV), tl.arange(0, BM)
+    w = tl.load(W + W_PER_HEAD * h * M * D + feats[:, None] * D + cols_d[None, :],
+                mask=(feats[:, None] < M) & (cols_d[None, :] < D), other=0.0).to(tl.float32)
+    root = tl.load(ROOT + h)
+    k = _load_rows(K + b * stride_kb + h * stride_kh, rows, N, cols_d, D, stride_kn, stride_kd)
+    keep = rows < N
+    if HAS_MASK:
+        keep = keep & (tl.load(MASK + b * stride_mb + rows, mask=rows < N, other=0) != 0)
+    phi, _, _ = _features(k, w, root, M, log_m_half, EPS, HALF)
+    phi = tl.where(keep[:, None], phi, 0.0)
+    v = _load_rows(V + b * stride_vb + h * stride_vh, rows, N, cols_v, DV, stride_vn, stride_vd)
+    state = _dot(tl.trans(phi), v, HALF)
+    offset = (bh * NC + block) * BM
+    tl.store(S + (offset + feats[:, None]) * BV + cols_v[None, :], state)
+    tl.store(Z + offset + feats, tl.sum(phi, axis=0))
+
+
+@triton.jit
+def nprf_forward_kernel(
+    Q, K, V, W, MASK, ROOT, C, P, PZ, O, DEN,
+    stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd, stride_mb,
+    H, N, D, DV, M, NC, REACH, log_m_half,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, W_PER_HEAD: tl.constexpr, EPS: tl.constexpr, HALF: tl.constexpr,
+    BT: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr,
+):
+    """Per query block: z = (far states + band tiles) / their denominator; O [B, H, N, DV], DEN [B, H, N]."""
+    block, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    rows_q = block * BT + tl.arange(0, BT)
+    cols_d, cols_v, feats = tl.arange(0, BD), tl.arange(0, BV), tl.arange(0, BM)
+    w = tl.load(W + W_PER_HEAD * h * M * D + feats[:, None] * D + cols_d[None, :],
+                mask=(feats[:, None] < M) & (cols_d[None, :] < D), other=0.0).to(tl.float32)
+    root = tl.load(ROOT + h)
+    q = _load_rows(Q + b * stride_qb + h * stride_qh, rows_q, N, cols_d, D, stride_qn, stride_qd)
+    phi_q, _, _ = _features(q, w, root, M, log_m_half, EPS, HALF)
+    c_row = C + h * (2 * N - 1)
+    lo = tl.maximum(block - REACH, 0)
+    hi = block if CAUSAL else tl.minimum(block + REACH, NC - 1)
+    states = P + bh * (NC + 1) * BM * BV + feats[:, None] * BV + cols_v[None, :]
+    sums = PZ + bh * (NC + 1) * BM + feats
+    # far keys before the band: the prefix of the blocks before `lo`, weight c_{-(n-1)}
+    c_before = tl.load(c_row)
+    numerator = c_before * _dot(phi_q, tl.load(states + lo * BM * BV), HALF)
+    denominator = c_before * tl.sum(phi_q * tl.load(sums + lo * BM)[None, :], axis=1)
+    if not CAUSAL:  # far keys after the band: the total minus the prefix through `hi`, weight c_{n-1}
+        c_after = tl.load(c_row + 2 * N - 2)
+        after = tl.load(states + NC * BM * BV) - tl.load(states + (hi + 1) * BM * BV)
+        after_sum = tl.load(sums + NC * BM) - tl.load(sums + (hi + 1) * BM)
+        numerator += c_after * _dot(phi_q, after, HALF)
+        denominator += c_after * tl.sum(phi_q * after_sum[None, :], axis=1)
+    mask_row = MASK + b * stride_mb
+    for key_block in range(lo, hi + 1):
+        rows_k = key_block * BT + tl.arange(0, BT)
+        k = _load_rows(K + b * stride_kb + h * stride_kh, rows_k, N, cols_d, D, stride_kn, stride_kd)
+        phi_k, _, _ = _features(k, w, root, M, log_m_half, EPS, HALF)
+        v = _load_rows(V + b * stride_vb + h * stride_vh, rows_k, N, cols_v, DV, stride_vn, stride_vd)
+        relative = rows_k[None, :] - rows_q[:, None]
+        valid = (rows_q[:, None] < N) & (rows_k[None, :] < N)
+        if HAS_MASK:
+            valid = valid & (tl.load(mask_row + rows_k, mask=rows_k < N, other=0) != 0)[None, :]
+        if CAUSAL:
+            valid = valid & (relative <= 0)
+        c = tl.load(c_row + relative + N - 1, mask=valid, other=0.0)
+        weights = _dot(phi_q, tl.trans(phi_k), HALF) * c
+        numerator += _dot(weights, v, HALF)
+        denominator += tl.sum(weights, axis=1)
+    kept = denominator > 0  # a query with no key gets zeros (and no division by 0)
+    out = tl.where(kept[:, None], numerator / tl.where(kept, denominator, 1.0)[:, None], 0.0)
+    tl.store(O + (bh * N + rows_q[:, None]) * DV + cols_v[None, :], out.to(O.dtype.element_ty),
+             mask=(rows_q[:, None] < N) & (cols_v[None, :] < DV))
+    tl.store(DEN + bh * N + rows_q, denominator, mask=rows_q < N)
+
+
+@triton.jit
+def nprf_query_states_kernel(
+    Q, G, DELTA, W, ROOT, S, Z,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    H, N, D, DV, M, NC, log_m_half,
+    W_PER_HEAD: tl.constexpr, EPS: tl.constexpr, HALF: tl.constexpr,
+    BT: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr,
+):
+    """Per query block (backward): S = phi_q^T g [BM, BV] and Z = phi_q^T delta [BM]; G [B, H, N, DV] and
+    DELTA [B, H, N] contiguous fp32."""
+    block, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    rows = block * BT + tl.arange(0, BT)
+    cols_d, cols_v, feats = tl.arange(0, BD), tl.arange(0, BV), tl.arange(0, BM)
+    w = tl.load(W + W_PER_HEAD * h * M * D + feats[:, None] * D + cols_d[None, :],
+                mask=(feats[:, None] < M) & (cols_d[None, :] < D), other=0.0).to(tl.float32)
+    root = tl.load(ROOT + h)
+    q = _load_rows(Q + b * stride_qb + h * stride_qh, rows, N, cols_d, D, stride_qn, stride_qd)
+    phi, _, _ = _features(q, w, root, M, log_m_half, EPS, HALF)
+    g = _load_rows(G + bh * N * DV, rows, N, cols_v, DV, DV, 1)
+    delta = tl.load(DELTA + bh * N + rows, mask=rows < N, other=0.0)
+    offset = (bh * NC + block) * BM
+    tl.store(S + (offset + feats[:, None]) * BV + cols_v[None, :], _dot(tl.trans(phi), g, HALF))
+    tl.store(Z + offset + feats, tl.sum(phi * delta[:, None], axis=0))
+
+
+@triton.jit
+def nprf_query_grad_kernel(
+    Q, K, V, W, MASK, ROOT, C, P, PZ, G, DELTA, DQ, DC, DROOT,
+    stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd, stride_mb,
+    H, N, D, DV, M, NC, REACH, log_m_half,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, W_PER_HEAD: tl.constexpr, EPS: tl.constexpr, HALF: tl.constexpr,
+    NEED_DC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr,
+):
+    """Per query block: dq (through phi_q and the normalization), the bias's gradient (atomically, per pair in the
+    band, per direction for the far blocks) and the logit scale's (d root, atomically per head)."""
+    block, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    rows_q = block * BT + tl.arange(0, BT)
+    cols_d, cols_v, feats = tl.arange(0, BD), tl.arange(0, BV), tl.arange(0, BM)
+    w = tl.load(W + W_PER_HEAD * h * M * D + feats[:, None] * D + cols_d[None, :],
+                mask=(feats[:, None] < M) & (cols_d[None, :] < D), other=0.0).to(tl.float32)
+    root = tl.load(ROOT + h)
+    q = _load_rows(Q + b * stride_qb + h * stride_qh, rows_q, N, cols_d, D, stride_qn, stride_qd)
+    phi_q, y, inverse = _features(q, w, root, M, log_m_half, EPS, HALF)
+    g = _load_rows(G + bh * N * DV, rows_q, N, cols_v, DV, DV, 1)
+    delta = tl.load(DELTA + bh * N + rows_q, mask=rows_q < N, other=0.0)
+    c_row = C + h * (2 * N - 1)
+    dc_row = DC + h * (2 * N - 1)
+    lo = tl.maximum(block - REACH, 0)
+    hi = block if CAUSAL else tl.minimum(block + REACH, NC - 1)
+    states = P + bh * (NC + 1) * BM * BV + feats[:, None] * BV + cols_v[None, :]
+    sums = PZ + bh * (NC + 1) * BM + feats
+    # far: dphi_q = c (S g + Z delta), and dc = sum_i phi_q . (S g + Z delta)
+    far = _dot(g, tl.trans(tl.load(states + lo * BM * BV)), HALF) + delta[:, None] * tl.load(sums + lo * BM)[None, :]
+    c_before = tl.load(c_row)
+    dphi = c_before * far
+    if NEED_DC:
+        tl.atomic_add(dc_row, tl.sum(tl.sum(phi_q * far, axis=1), axis=0))
+    if not CAUSAL:
+        after = tl.load(states + NC * BM * BV) - tl.load(states + (hi + 1) * BM * BV)
+        after_sum = tl.load(sums + NC * BM) - tl.load(sums + (hi + 1) * BM)
+        far = _dot(g, tl.trans(after), HALF) + delta[:, None] * after_sum[None, :]
+        dphi += tl.load(c_row + 2 * N - 2) * far
+        if NEED_DC:
+            tl.atomic_add(dc_row + 2 * N - 2, tl.sum(tl.sum(phi_q * far, axis=1), axis=0))
+    mask_row = MASK + b * stride_mb
+    for key_block in range(lo, hi + 1):
+        rows_k = key_block * BT + tl.arange(0, BT)
+        k = _load_rows(K + b * stride_kb + h * stride_kh, rows_k, N, cols_d, D, stride_kn, stride_kd)
+        phi_k, _, _ = _features(k, w, root, M, log_m_half, EPS, HALF)
+        v = _load_rows(V + b * stride_vb + h * stride_vh, rows_k, N, cols_v, DV, stride_vn, stride_vd)
+        relative = rows_k[None, :] - rows_q[:, None]
+        valid = (rows_q[:, None] < N) & (rows_k[None, :] < N)
+        if HAS_MASK:
+            valid = valid & (tl.load(mask_row + rows_k, mask=rows_k < N, other=0) != 0)[None, :]
+        if CAUSAL:
+            valid = valid & (relative <= 0)
+        c = tl.load(c_row + relative + N - 1, mask=valid, other=0.0)
+        d_weights = _dot(g, tl.trans(v), HALF) + delta[:, None]
+        dphi += _dot(d_weights * c, phi_k, HALF)
+        if NEED_DC:
+            kernel = _dot(phi_q, tl.trans(phi_k), HALF)
+            tl.atomic_add(dc_row + relative + N - 1, d_weights * kernel, mask=valid)
+    dq, droot = _input_grad(dphi, phi_q, y, inverse, w, root, HALF)
+    tl.store(DQ + (bh * N + rows_q[:, None]) * D + cols_d[None, :], dq, mask=(rows_q[:, None] < N) & (cols_d[None, :] < D))
+    tl.atomic_add(DROOT + h, droot)
+
+
+@triton.jit
+def nprf_key_grad_kernel(
+    Q, K, V, W, MASK, ROOT, C, QP, QPZ, G, DELTA, DK, DV_OUT, DROOT,
+    stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd, stride_mb,
+    H, N, D, DV, M, NC, REACH, log_m_half,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, W_PER_HEAD: tl.constexpr, EPS: tl.constexpr, HALF: tl.constexpr,
+    BT: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr,
+):
+    """Per key block: dk (through phi_k and the normalization), dv, and d root (atomically per head), from the
+    query states QP, QPZ (prefix sums of `nprf_query_states_kernel`) and the band's query blocks."""
+    block, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // H, bh % H
+    rows_k = block * BT + tl.arange(0, BT)
+    cols_d, cols_v, feats = tl.arange(0, BD), tl.arange(0, BV), tl.arange(0, BM)
+    w = tl.load(W + W_PER_HEAD * h * M * D + feats[:, None] * D + cols_d[None, :],
+                mask=(feats[:, None] < M) & (cols_d[None, :] < D), other=0.0).to(tl.float32)
+    root = tl.load(ROOT + h)
+    k = _load_rows(K + b * stride_kb + h * stride_kh, rows_k, N, cols_d, D, stride_kn, stride_kd)
+    keep = rows_k < N
+    if HAS_MASK:
+        keep = keep & (tl.load(MASK + b * stride_mb + rows_k, mask=rows_k < N, other=0) != 0)
+    phi_k, y, inverse = _features(k, w, root, M, log_m_half, EPS, HALF)
+    phi_k = tl.where(keep[:, None], phi_k, 0.0)
+    v = _load_rows(V + b * stride_vb + h * stride_vh, rows_k, N, cols_v, DV, stride_vn, stride_vd)
+    c_row = C + h * (2 * N - 1)
+    lo = block if CAUSAL else tl.maximum(block - REACH, 0)
+    hi = tl.minimum(block + REACH, NC - 1)
+    states = QP + bh * (NC + 1) * BM * BV + feats[:, None] * BV + cols_v[None, :]
+    sums = QPZ + bh * (NC + 1) * BM + feats
+    # far queries after the band read these keys with c_{-(n-1)}: dv = c S^T phi_k, dphi_k = c (S v + Z)
+    after = tl.load(states + NC * BM * BV) - tl.load(states + (hi + 1) * BM * BV)
+    after_sum = tl.load(sums + NC * BM) - tl.load(sums + (hi + 1) * BM)
+    c_before = tl.load(c_row)
+    dv = c_before * _dot(phi_k, after, HALF)
+    dphi = c_before * (_dot(v, tl.trans(after), HALF) + after_sum[None, :])
+    if not CAUSAL:  # far queries before the band, with c_{n-1}
+        c_after = tl.load(c_row + 2 * N - 2)
+        before = tl.load(states + lo * BM * BV)
+        dv += c_after * _dot(phi_k, before, HALF)
+        dphi += c_after * (_dot(v, tl.trans(before), HALF) + tl.load(sums + lo * BM)[None, :])
+    for query_block in range(lo, hi + 1):
+        rows_q = query_block * BT + tl.arange(0, BT)
+        q = _load_rows(Q + b * stride_qb + h * stride_qh, rows_q, N, cols_d, D, stride_qn, stride_qd)
+        phi_q, _, _ = _features(q, w, root, M, log_m_half, EPS, HALF)
+        g = _load_rows(G + bh * N * DV, rows_q, N, cols_v, DV, DV, 1)
+        delta = tl.load(DELTA + bh * N + rows_q, mask=rows_q < N, other=0.0)
+        relative = rows_k[:, None] - rows_q[None, :]  # j - i, keys down the rows
+        valid = keep[:, None] & (rows_q[None, :] < N)
+        if CAUSAL:
+            valid = valid & (relative <= 0)
+        c = tl.load(c_row + relative + N - 1, mask=valid, other=0.0)
+        weights = _dot(phi_k, tl.trans(phi_q), HALF) * c
+        dv += _dot(weights, g, HALF)
+        d_weights = _dot(v, tl.trans(g), HALF) + delta[None, :]
+        dphi += _dot(d_weights * c, phi_q, HALF)
+    dphi = tl.where(keep[:, None], dphi, 0.0)
+    dk, droot = _input_grad(dphi, phi_k, y, inverse, w, root, HALF)
+    tl.store(DK + (bh * N + rows_k[:, None]) * D + cols_d[None, :], dk, mask=(rows_k[:, None] < N) & (cols_d[None, :] < D))
+    tl.store(DV_OUT + (bh * N + rows_k[:, None]) * DV + cols_v[None, :], dv,
+             mask=(rows_k[:, None] < N) & (cols_v[None, :] < DV))
+    tl.atomic_add(DROOT + h, droot)
