@@ -183,17 +183,25 @@ def carry_sentence_transformers_files(src, out_dir, max_seq_length=None, revisio
             shutil.copytree(os.path.join(folder, path), os.path.join(out_dir, path), dirs_exist_ok=True)
             copied.append(path + "/")
     if max_seq_length is not None:
-        config_path = os.path.join(out_dir, SENTENCE_BERT_CONFIG)
-        settings = {}
-        if os.path.isfile(config_path):
-            with open(config_path, encoding="utf-8") as handle:
-                settings = json.load(handle)
-        settings["max_seq_length"] = int(max_seq_length)
-        with open(config_path, "w", encoding="utf-8") as handle:
-            json.dump(settings, handle, indent=2)
+        set_max_seq_length(out_dir, max_seq_length)
         if SENTENCE_BERT_CONFIG not in copied:
             copied.append(SENTENCE_BERT_CONFIG)
     return copied
+
+
+def set_max_seq_length(out_dir, max_seq_length):
+    """Write `max_seq_length` into `out_dir`'s `sentence_bert_config.json` (created if missing, its other settings
+    kept); returns the value it had, or None."""
+    config_path = os.path.join(out_dir, SENTENCE_BERT_CONFIG)
+    settings = {}
+    if os.path.isfile(config_path):
+        with open(config_path, encoding="utf-8") as handle:
+            settings = json.load(handle)
+    previous = settings.get("max_seq_length")
+    settings["max_seq_length"] = int(max_seq_length)
+    with open(config_path, "w", encoding="utf-8") as handle:
+        json.dump(settings, handle, indent=2)
+    return previous
 
 
 def write_conversion_report(report, out_dir):
@@ -210,6 +218,7 @@ def write_conversion_report(report, out_dir):
         "tied": dict(getattr(report, "tied", {})),
         "dropped": list(report.dropped),
         "sentence_transformers_files": list(getattr(report, "sentence_transformers_files", [])),
+        "max_input_length": getattr(report, "max_input_length", None),
     }
     for name in ("transfer", "long_context"):  # what training ran, with its held-out numbers
         if getattr(report, name, None) is not None:

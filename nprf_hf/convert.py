@@ -25,6 +25,7 @@ from .checkpoint_files import (
     carry_sentence_transformers_files,
     check_local_path,
     check_output_dir,
+    set_max_seq_length,
     staged_output_dir,
     write_conversion_report,
 )
@@ -62,6 +63,10 @@ class ConversionReport:
     untrained_head: list = field(default_factory=list)
     tied: dict = field(default_factory=dict)  # name -> the tensor it shares storage with (not new, not saved twice)
     sentence_transformers_files: list = field(default_factory=list)  # carried by convert_checkpoint
+    # longest input the absolute position table takes (None: no table); (source's, saved) sentence-transformers
+    # max_seq_length when convert_checkpoint carried one: a silent cut of long inputs otherwise
+    max_input_length: Optional[int] = None
+    max_seq_length: Optional[tuple] = None
 
     def format(self):
         lines = [
@@ -78,6 +83,14 @@ class ConversionReport:
             lines.extend(f"    - {name}" for name in self.dropped)
         if self.sentence_transformers_files:
             lines.append(f"  sentence-transformers files carried over: {', '.join(self.sentence_transformers_files)}")
+        if self.max_seq_length is not None and self.max_seq_length[0] != self.max_seq_length[1]:
+            lines.append(f"  sentence-transformers max_seq_length {self.max_seq_length[0]} -> {self.max_seq_length[1]} "
+                         "(the converted model's position table)")
+        if self.max_input_length is not None:
+            lines.append(
+                f"  takes inputs up to {self.max_input_length} tokens (its position table); for longer ones convert "
+                "with --max-position-embeddings N (Python: max_position_embeddings=N), which tiles the learned rows"
+            )
         if self.untrained_head:
             lines.append("WARNING: " + untrained_head_message(self))
         if self.transfer is not None:
@@ -438,6 +451,8 @@ def _convert(
             source.to(source_device)
             target.to(source_device)
 
+    if config.position_embedding_type != "none":
+        report.max_input_length = config.max_position_embeddings - position_offset(config)
     if tokenizer is not None and "max_position_embeddings" in config_overrides:
         tokenizer.model_max_length = config.max_position_embeddings - position_offset(config)
     return target, tokenizer, report
@@ -598,7 +613,7 @@ def convert_to_nprf(
 def convert_checkpoint(src, out_dir, *, tokenizer=None, overwrite: bool = False, **kwargs) -> ConversionReport:
     """Convert `src` (model, local dir or Hub id) and save everything a HF user loads to `out_dir`: the NPRF
     model (safetensors + remote code), the tokenizer (loaded from `src`, or `tokenizer=`), a sentence-transformers
-    model's files (`modules.json`, `1_Pooling/`, ...; `max_seq_length` follows `max_position_embeddings`),
+    model's files (`modules.json`, `1_Pooling/`, ...; `max_seq_length` is the position table's length),
     `conversion_report.json` and, after attention transfer, `attention_transfer.json`. The one call to use when
     the output goes to `pipeline(...)`, `AutoTokenizer` or `SentenceTransformer`
     (`convert_to_nprf(...).save_pretrained(dir)` saves the model alone).
@@ -620,10 +635,11 @@ def convert_checkpoint(src, out_dir, *, tokenizer=None, overwrite: bool = False,
 
 
 def _save_extra_files(src, out_dir, config, report, kwargs):
-    """sentence-transformers files (their max_seq_length follows a longer position table) and the report."""
-    max_seq_length = None
-    if "max_position_embeddings" in kwargs and config.position_embedding_type != "none":
-        max_seq_length = config.max_position_embeddings - position_offset(config)
+    """sentence-transformers files and the report. Their max_seq_length follows the position table: the source's
+    value (MiniLM: 256, its training length) would cut long inputs without a word, in a model converted for them."""
     revision = (kwargs.get("from_pretrained_kwargs") or {}).get("revision")
-    report.sentence_transformers_files = carry_sentence_transformers_files(src, out_dir, max_seq_length, revision)
+    report.sentence_transformers_files = carry_sentence_transformers_files(src, out_dir, None, revision)
+    if report.sentence_transformers_files and report.max_input_length is not None:
+        previous = set_max_seq_length(out_dir, report.max_input_length)
+        report.max_seq_length = (previous, report.max_input_length)
     write_conversion_report(report, out_dir)

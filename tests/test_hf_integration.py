@@ -181,6 +181,40 @@ def test_sentence_transformers_files_carried_and_max_seq_length_extended(convert
     assert settings["do_lower_case"] == source_settings["do_lower_case"]
 
 
+@needs_sentence_transformers
+def test_bare_conversion_keeps_long_inputs_long(tmp_path, capsys):
+    """MiniLM's sentence-transformers config says max_seq_length 256, for the source's training length: the
+    converted model must take its whole position table (512), and the summary must say so and how to go further."""
+    from sentence_transformers import SentenceTransformer
+
+    out = str(tmp_path / "minilm-nprf")
+    assert cli_main(["convert", minilm_path(), out, "--num-random-features", "8"]) == 0
+    summary = capsys.readouterr().out
+    assert json.load(open(os.path.join(out, "sentence_bert_config.json")))["max_seq_length"] == 512
+    assert "inputs up to 512 tokens" in summary and "--max-position-embeddings" in summary
+    assert "max_seq_length 256 -> 512" in summary  # the source's own limit is not silently replaced either
+    assert read_conversion_report(out)["max_input_length"] == 512
+    model = SentenceTransformer(out, trust_remote_code=True, device="cpu")
+    assert model.max_seq_length == 512
+    assert model.tokenize([" ".join(["word"] * 2000)])["input_ids"].shape[1] == 512
+
+    longer = str(tmp_path / "minilm-nprf-2k")
+    assert cli_main(["convert", minilm_path(), longer, "--num-random-features", "8",
+                     "--max-position-embeddings", "2048"]) == 0
+    summary = capsys.readouterr().out
+    assert "inputs up to 2048 tokens" in summary and "max_seq_length 256 -> 2048" in summary
+    assert SentenceTransformer(longer, trust_remote_code=True, device="cpu").max_seq_length == 2048
+
+
+def test_summary_names_the_usable_positions_of_an_offset_family(roberta_source, tmp_path, capsys):
+    """RoBERTa's first padding_idx + 1 rows are no positions: 66 rows take 64 tokens."""
+    assert cli_main(["convert", roberta_source, str(tmp_path / "o"), "--num-random-features", "8"]) == 0
+    assert "inputs up to 64 tokens" in capsys.readouterr().out
+    assert cli_main(["convert", roberta_source, str(tmp_path / "p"), "--num-random-features", "8",
+                     "--max-position-embeddings", "130"]) == 0
+    assert "inputs up to 128 tokens" in capsys.readouterr().out
+
+
 def test_plain_checkpoint_carries_no_sentence_transformers_files(tmp_path):
     config = BertConfig(**tiny_config(vocab_size=100, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
                                       max_position_embeddings=512))
