@@ -6,6 +6,7 @@ import math
 import os
 import shutil
 
+import datasets
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -105,8 +106,27 @@ def test_train_eval_and_resume_matches_uninterrupted_run(workdir, tmp_path):
     assert json.load(open(part / "eval_results.json"))["eval_loss"] == pytest.approx(results["eval_loss"], abs=1e-5)
 
 
-def test_softmax_baseline_and_in_process_conversion_share_eval_masks(workdir, tmp_path):
+@pytest.fixture
+def no_datasets_cache():
+    """datasets' cache off: with it, a later run reloads the first run's masked eval set whatever drew it."""
+    was_enabled = datasets.is_caching_enabled()
+    datasets.disable_caching()
+    yield
+    if was_enabled:
+        datasets.enable_caching()
+
+
+def test_softmax_baseline_and_in_process_conversion_share_eval_masks(workdir, tmp_path, monkeypatch, no_datasets_cache):
     root, softmax_dir, _ = workdir
+    eval_sets = []
+
+    class RecordingTrainer(run_mlm.Trainer):
+        def __init__(self, *args, **kwargs):
+            rows = kwargs["eval_dataset"][:]
+            eval_sets.append({key: rows[key] for key in ("input_ids", "labels")})
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(run_mlm, "Trainer", RecordingTrainer)
     baseline = run_mlm.main(_args(root, softmax_dir, tmp_path / "softmax", "--do_eval"))
     assert math.isfinite(baseline["eval_loss"])
     # evaluation masks are fixed: a second evaluation of the same model gives the same loss
@@ -117,12 +137,19 @@ def test_softmax_baseline_and_in_process_conversion_share_eval_masks(workdir, tm
     run_mlm.main(_args(
         root, softmax_dir, out, "--do_train", "--do_eval", "--max_steps", "2", "--convert_to_nprf",
         "--rpe_init", "calibrated", "--calibration_text", str(root / "train.txt"), "--num_random_features", "8",
-        "--rpe_shared_across_layers", "false",
+        "--rpe_shared_across_layers", "false", "--seed", "11",
     ))
     config = json.load(open(out / "config.json"))
     assert config["model_type"] == "nprf_bert" and config["num_random_features"] == 8
     model = AutoModelForMaskedLM.from_pretrained(str(out))
     assert model.bert.encoder.layer[0].attention.self.rpe_table.abs().amax() > 0
+    # another training seed, a conversion and training steps: the NPRF run must still evaluate on the very
+    # tokens and masks the softmax baseline did (they come from eval_mask_seed alone)
+    assert len(eval_sets) == 3
+    labels = torch.tensor(eval_sets[0]["labels"])
+    assert labels.shape == (16, 32) and 0 < (labels != -100).sum() < labels.numel()
+    for other in eval_sets[1:]:
+        assert other["input_ids"] == eval_sets[0]["input_ids"] and other["labels"] == eval_sets[0]["labels"]
 
 
 def test_bad_arguments(workdir, tmp_path):
