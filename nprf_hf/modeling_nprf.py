@@ -67,8 +67,9 @@ from .nprf_terms import ATTENTION_TERMS, AttentionTerms
 
 logger = logging.get_logger(__name__)
 
-# from_pretrained keywords that say where the saved config is (to compare a requested NPRF field with it)
-_HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "trust_remote_code")
+# from_pretrained keywords that say where the saved config is (to compare a requested NPRF field with it); not
+# trust_remote_code: reading a config dict runs no code, and transformers warns that it is ignored there
+_HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
 
 
 # ---------------------------------------------------------------------------------------------

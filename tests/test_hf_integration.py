@@ -121,6 +121,42 @@ def test_tokenizer_loads_without_prompt_or_warning(converted, tmp_path, with_pac
         assert noise not in result.stderr + result.stdout, result.stderr
 
 
+FALSE_WARNINGS = ("is to be used with Auto classes", "It has no effect here and is ignored")
+
+
+@needs_sentence_transformers
+def test_loads_as_the_readme_shows_give_no_false_warning(converted, roberta_source, tmp_path):
+    """pipeline / SentenceTransformer with trust_remote_code=True go through the package's from_pretrained, which
+    must not hand trust_remote_code on to where transformers calls it useless."""
+    import warnings
+
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoModelForCausalLM, pipeline
+    from transformers.utils import logging as hf_logging
+
+    out, _ = converted
+    decoder = str(tmp_path / "decoder")
+    convert_checkpoint(roberta_source, decoder, head="causal-lm", num_random_features=8)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    hf_logger = hf_logging.get_logger("transformers")
+    hf_logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pipeline("feature-extraction", model=out, trust_remote_code=True)
+            SentenceTransformer(out, trust_remote_code=True, device="cpu")
+            AutoModelForCausalLM.from_pretrained(decoder)
+            AutoModelForCausalLM.from_pretrained(decoder, trust_remote_code=True)
+            pipeline("text-generation", model=decoder, trust_remote_code=True)
+            NPRFBertModel.from_pretrained(out)
+    finally:
+        hf_logger.removeHandler(handler)
+    said = [record.getMessage() for record in records] + [str(warning.message) for warning in caught]
+    assert not [message for message in said if any(text in message for text in FALSE_WARNINGS)], said
+
+
 def test_tokenizer_config_names_the_plain_tokenizer(converted):
     out, _ = converted
     tokenizer_config = json.load(open(os.path.join(out, "tokenizer_config.json")))

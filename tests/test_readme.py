@@ -39,6 +39,10 @@ SHORTER = {
 }
 
 
+# what transformers says when trust_remote_code reaches a call that ignores it (though the README's loads need it)
+FALSE_WARNINGS = ("The argument `trust_remote_code` is to be used with Auto classes",)
+
+
 def readme_text():
     with open(README, encoding="utf-8") as handle:
         return handle.read()
@@ -116,6 +120,8 @@ def test_readme_code_blocks_run(tmp_path, roberta_source):
             f"README block {index} failed:\n{code}\n--- stdout ---\n{result.stdout[-2000:]}\n"
             f"--- stderr ---\n{result.stderr[-4000:]}"
         )
+        for false_warning in FALSE_WARNINGS:  # the README's ways of loading must not tell the user a wrong thing
+            assert false_warning not in result.stderr + result.stdout, f"README block {index}:\n{result.stderr[-4000:]}"
     print("README blocks run: " + ", ".join(ran))
     assert len(ran) >= 10
     # what the README promises those blocks leave behind
