@@ -18,7 +18,7 @@ import os
 import sys
 
 from . import options
-from .checkpoint_files import check_output_dir
+from .checkpoint_files import check_output_dir, check_source
 from .families import FAMILIES, HEADS
 
 
@@ -148,8 +148,9 @@ def _local_model_type(src):
 
 def check_convert_arguments(args):
     """The checks that need no torch, so that a mistake is reported at once (loading torch takes seconds):
-    the output folder (never the source, never a non-empty folder unless --overwrite) and, for a local
-    source, a --head its family has."""
+    the source (a local folder, or a Hub id in the cache or on the Hub), the output folder (never the source,
+    never a non-empty folder unless --overwrite) and, for a local source, a --head its family has."""
+    check_source(args.src, args.revision)
     check_output_dir(args.out, args.src, args.overwrite)
     family = FAMILIES.get(_local_model_type(args.src))
     if args.head is not None and family is not None and args.head not in family.heads:

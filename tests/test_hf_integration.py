@@ -307,6 +307,68 @@ def test_missing_local_path_is_reported_at_once(tmp_path, capsys):
     assert f"no such directory: {missing}" in err and "Repo id" not in err and len(err.strip().splitlines()) == 1
 
 
+def test_mistyped_local_folder_offline_is_named_at_once(tmp_path):
+    """`src_minlm` (a typo of a local folder) has a Hub id's form: offline, the CLI says at once that it is neither,
+    before loading torch, instead of transformers' "We couldn't connect to 'https://huggingface.co'"."""
+    probe = textwrap.dedent(f"""
+        import sys
+        from nprf_hf.cli import main
+        code = main(["convert", "src_minlm", {str(tmp_path / 'out')!r}])
+        print("exit", code, "torch loaded:", "torch" in sys.modules)
+    """)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(tmp_path / "hub"), PYTHONPATH=REPO_ROOT)
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=str(tmp_path), env=env,
+                            stdin=subprocess.DEVNULL, timeout=120)
+    assert "exit 2 torch loaded: False" in result.stdout, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines() == [
+        "nprf-hf convert: error: no local folder 'src_minlm' (and not found on the Hub: offline, and not in the Hub "
+        "cache)"
+    ]
+    assert not (tmp_path / "out").exists()
+
+
+def test_source_neither_local_nor_on_the_hub(tmp_path, monkeypatch, capsys):
+    """Online, a Hub id is asked for once (no retries): a missing repository, an unreachable Hub and a file given
+    for a folder are one-line errors; an id found in the Hub cache, or on the Hub, passes."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    from nprf_hf.checkpoint_files import check_source
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    asked = []
+
+    def answer(self, repo_id, **kwargs):
+        asked.append(repo_id)
+        if repo_id == "down/model":
+            raise ConnectionError("Name or service not known")
+        return repo_id == "org/model"
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "repo_exists", answer)
+    check_source("org/model")
+    for value, reason in [("src_minlm", "not found on the Hub: no such model repository (or it is private)"),
+                          ("down/model", "not found on the Hub: it could not be reached (Name or service not known)")]:
+        assert cli_main(["convert", value, str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert err == f"nprf-hf convert: error: no local folder '{value}' (and {reason})\n"
+    assert asked == ["org/model", "src_minlm", "down/model"]
+    (tmp_path / "weights.bin").write_text("")
+    assert cli_main(["convert", "weights.bin", str(tmp_path / "out")]) == 2
+    assert "weights.bin is a file: give the checkpoint's folder" in capsys.readouterr().err
+    snapshot = tmp_path / "hub" / "models--cached--model" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (tmp_path / "hub" / "models--cached--model" / "refs").mkdir()
+    (tmp_path / "hub" / "models--cached--model" / "refs" / "main").write_text("abc")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    check_source("cached/model")  # offline, but in the cache: transformers will load it from there
+    with pytest.raises(FileNotFoundError, match="offline"):
+        check_source("cached/model", revision="v2")
+    assert asked == ["org/model", "src_minlm", "down/model"]
+
+
 # ---- 9. the GLUE scripts report user errors in one line, exit 2 -------------------------------------------
 
 
