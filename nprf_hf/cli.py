@@ -47,6 +47,7 @@ def _add_recipe_options(group, prefix, declared, defaults, metavar, text_help, c
 def add_convert_parser(subparsers):
     parser = subparsers.add_parser(
         "convert",
+        allow_abbrev=False,
         help="convert a checkpoint (" + ", ".join(f.display_name for f in FAMILIES.values()) + ") to NPRF attention",
         description=(
             "Convert a " + ", ".join(f.display_name for f in FAMILIES.values()) + " checkpoint (local dir or Hub id, "
@@ -246,6 +247,7 @@ def add_card_parser(subparsers):
     """Register `nprf-hf card` on the subparsers of the `nprf-hf` parser (its `func` runs it)."""
     parser = subparsers.add_parser(
         "card",
+        allow_abbrev=False,
         help="write a Hub model card (README.md) for a saved NPRF model",
         description="Write MODEL_DIR/README.md: YAML front matter (pipeline_tag, tags, datasets, metrics, base_model, "
         "model-index from eval_results.json), usage with trust_remote_code=True, NPRF settings, the conversion "
@@ -280,19 +282,40 @@ def _version():
 
 def build_parser():
     families = FAMILIES.values()
+    # allow_abbrev=False everywhere: a prefix (`--num-random-feature`) is a typo to report, not an option to guess
     parser = argparse.ArgumentParser(
         prog="nprf-hf",
+        allow_abbrev=False,
         description="NPRF attention for HuggingFace encoders (" + ", ".join(f.display_name for f in families) + ")",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add_parser in SUBCOMMANDS:
         add_parser(subparsers)
+    parser.subcommand_parsers = subparsers.choices
     return parser
 
 
+def _reject_unrecognized(parser, extras):
+    """Report arguments no option took with the subparser's usage: argparse's own error would come from the
+    top-level parser, whose usage (`nprf-hf COMMAND`) does not show the options that were meant. A close option
+    name is suggested."""
+    import difflib
+
+    options = [name for action in parser._actions for name in action.option_strings]
+    guesses = []
+    for extra in extras:
+        if extra.startswith("-"):
+            guesses += difflib.get_close_matches(extra.split("=", 1)[0], options, n=1)
+    hint = f" (did you mean {' / '.join(dict.fromkeys(guesses))}?)" if guesses else ""
+    parser.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+
+
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        _reject_unrecognized(parser.subcommand_parsers.get(args.command, parser), extras)
     try:
         return args.func(args)
     except (ValueError, OSError) as error:

@@ -287,3 +287,42 @@ def test_load_names_fields_saved_with_the_weights(bert_source, tmp_path, caplog)
     with caplog.at_level(logging.WARNING):
         AutoModel.from_pretrained(out)
     assert "always NPRF attention" not in caplog.text
+
+
+# ---------------------------------------------------------------------------------------------
+# Command-line mistakes: no abbreviations, the subcommand's own usage
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, command, unrecognized, suggestion", [
+    (["convert", "{src}", "{out}", "--num-random-feature", "16"], "convert", "--num-random-feature 16",
+     "--num-random-features"),
+    (["convert", "{src}", "{out}", "--overwrit"], "convert", "--overwrit", "--overwrite"),
+    (["convert", "{src}", "{out}", "--max-position-embedding=1024"], "convert", "--max-position-embedding=1024",
+     "--max-position-embeddings"),
+    (["card", "{src}", "--eval-result", "r.json"], "card", "--eval-result r.json", "--eval-results"),
+])
+def test_flag_typos_show_the_subcommands_usage(bert_source, tmp_path, capsys, argv, command, unrecognized,
+                                               suggestion):
+    """A prefix of an option is a typo, not an abbreviation (argparse's allow_abbrev), and the error is the
+    subcommand's, with its usage, not the top-level `nprf-hf COMMAND` usage."""
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit:
+        cli_main([a.format(src=bert_source, out=out) for a in argv])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: nprf-hf {command} ") and "Traceback" not in err
+    assert f"nprf-hf {command}: error: unrecognized arguments: {unrecognized}" in err
+    assert f"did you mean {suggestion}?" in err
+    assert not out.exists()
+
+
+def test_no_parser_takes_abbreviations(capsys):
+    from nprf_hf import cli
+
+    parser = cli.build_parser()
+    parsers = [parser, *next(a for a in parser._actions if isinstance(a, cli.argparse._SubParsersAction)).choices.values()]
+    assert [p.allow_abbrev for p in parsers] == [False] * len(parsers)
+    with pytest.raises(SystemExit) as exit:
+        cli_main(["--vers"])
+    assert exit.value.code == 2 and capsys.readouterr().out == ""  # not taken for --version
