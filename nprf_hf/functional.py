@@ -1,6 +1,6 @@
 # coding=utf-8
-"""NPRF attention with relative positional encoding: the public functions, their input checks and the one
-dispatcher that picks an algorithm.
+"""NPRF attention with relative positional encoding: the public functions and their input checks; what runs a
+call (algorithm, band width, PyTorch or the Triton kernels) is decided in `nprf_dispatch`.
 
 Luo et al., "Stable, Fast and Accurate: Kernelized Attention with Relative Positional Encoding"
 (NeurIPS 2021). Per head, with n tokens, head size d and m random features:
@@ -11,7 +11,8 @@ where q, k are L2-normalized, phi is the positive random feature map of the soft
 b_r is a (T5-bucketed) relative position bias. The Toeplitz matrix C = [c_{j-i}] is applied by one
 of three exact algorithms, a file each: "dense" (`nprf_dense`: n x n weights), "fft" (`nprf_fft`: the
 paper's Toeplitz product through real FFTs) and "banded" (`nprf_banded`: C = far constants + a band;
-its lean training mode, features rebuilt in backward, in `nprf_banded_recompute`). The feature maps are in
+its lean training mode, features rebuilt in backward, in `nprf_banded_recompute`); "triton" is the banded
+product as fused GPU kernels (`nprf_triton`, kernels in `nprf_triton_kernels`). The feature maps are in
 `nprf_features`, positions in `nprf_positions`, the optional terms (logit scale, segment bias, word matching)
 in `nprf_terms`, the recurrent decoding step in `cache_nprf`, and the float64
 reference every algorithm is tested against in `nprf_naive`.
@@ -24,7 +25,7 @@ from typing import Optional
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .nprf_banded import banded_chunking, banded_toeplitz_attention, banded_window
+from .nprf_banded import banded_toeplitz_attention
 from .nprf_banded_recompute import banded_attention_recomputed
 from .nprf_dense import dense_toeplitz_attention, dense_toeplitz_inference, dense_toeplitz_training, exact_kernel
 from .nprf_dense import key_lengths
@@ -50,23 +51,13 @@ from .nprf_positions import (  # noqa: F401  (the bias helpers: public here)
     toeplitz_matrix,
 )
 from .nprf_terms import AttentionTerms
-from .options import ALGORITHMS, ATTENTION_VARIANTS, QUADRATIC_VARIANTS
+from .nprf_dispatch import kernel_or_auto
+from .nprf_dispatch import resolve_algorithm as _resolve_algorithm  # noqa: F401  (tests and benchmarks read it here)
+from .nprf_triton import triton_attention
+from .options import ALGORITHMS  # noqa: F401  (the PyTorch algorithms: read here by tests and benchmarks)
+from .options import ATTENTION_ALGORITHMS, ATTENTION_VARIANTS, QUADRATIC_VARIANTS
 
 
-# `auto` crossovers, measured on the 2-core CPU. Under autograd the eager dense product runs in cache and
-# rebuilds its weights in backward (`dense_toeplitz_training`): forward + backward on padded batches (B=8, H=12,
-# m=64, T5's default buckets: a window of 314 / 334 at d = 32 / 64, one thread) it takes 0.62x / 0.68x of
-# banded's time at 384 tokens, 0.94x / 0.90x at 512, 1.19x / 1.07x at 768: they cross at about 1.7 windows
-# (with the weights kept by autograd they crossed at one window). Without a band (a bias learned per distance),
-# fft only beats dense from about 8192 tokens (dense at 2048: 0.46 s vs fft 1.95 s forward, one
-# thread), where dense's n x n weights also stop fitting in memory.
-AUTO_DENSE_FACTOR = 1.7
-AUTO_DENSE_FACTOR_COMPILED = 1.0  # torch.compile traces the plain autograd product, which keeps its weights
-# Without autograd the dense product runs in cache and skips padded keys (`dense_toeplitz_inference`): on padded
-# batches (B=8, H=12, m=64, T5's default buckets: a window of 334) it takes 0.93x (d=32) / 0.89x (d=64) of banded's
-# time at 512 tokens, 1.8x / 1.6x at 768: they cross at about 540 tokens, 1.6 windows.
-AUTO_DENSE_FACTOR_INFERENCE = 1.6
-AUTO_FFT_MIN_LENGTH = 8192
 # `recompute=None` recomputes the banded / fft attention in backward from this size of one call's [B, H, n, m]
 # features on (16 MiB: B x n = 5,461 tokens at H = 12, m = 64): the about ten feature-sized tensors a layer
 # would keep matter there, while for short batches the second forward costs time for little memory (a MiniLM
@@ -101,7 +92,10 @@ def nprf_attention(
         rpe_bias: [H, 2n - 1]; entry r + n - 1 holds b_r for r = j - i.
         projection: [m, d] or [H, m, d].
         key_padding_mask: [B, n], bool or 0/1; True/1 = keep. Padded keys count in neither sum.
-        algorithm: "auto", "dense", "fft" or "banded" (all exact; they differ in speed only).
+        algorithm: "auto", "dense", "fft", "banded" or "triton" (all exact; they differ in speed only). "triton"
+            runs on CUDA tensors (CPU ones under TRITON_INTERPRET=1), and "auto" picks it there in eager mode; a
+            call with a term it does not fuse (segment bias, word matching, first-key bias), another variant or a
+            projection that requires grad runs the PyTorch algorithms, said once in the log.
         causal: drop keys after the query (j > i).
         band_width: W of the bias's tied structure (b_r constant for r >= W and for r <= -W), e.g.
             `rpe_band_width(...)` for a T5 bucket table. None infers it from the values. The banded
@@ -175,9 +169,14 @@ def _attention(query, key, value, rpe_bias, projection, key_padding_mask, algori
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (query, key, value, bias, projection, *terms.tensors())
     )
+    if algorithm in ("auto", "triton"):
+        algorithm = kernel_or_auto(algorithm, query, projection, variant, terms, causal)
     algorithm, band_width = _resolve_algorithm(
         algorithm, bias, n, band_width, projection.shape[-2], value.shape[-1] + 1, inference=not needs_grad
     )
+    if algorithm == "triton":
+        return triton_attention(query, key, value, rpe_bias, projection, key_padding_mask, terms.logit_scale,
+                                band_width, causal)
     if recompute is None:
         feature_bytes = batch * heads * n * projection.shape[-2] * torch.finfo(dtype).bits // 8
         recompute = algorithm in ("banded", "fft") and feature_bytes >= RECOMPUTE_MIN_BYTES
@@ -290,39 +289,9 @@ def _check_variant(variant, algorithm):
         raise ValueError(f"variant={variant!r} is computed from the dense n x n weights: algorithm must be auto or dense")
 
 
-def _resolve_algorithm(algorithm, bias, n, band_width, m, e, inference=False):
-    """Pick the algorithm for `auto` (`inference`: no autograd, whose dense-banded crossover is measured apart) and
-    the band width for `banded`."""
-    tied = band_width is not None
-    if tied and algorithm in ("auto", "banded") and not torch.compiler.is_compiling():
-        inferred = infer_band_width(bias.detach(), n)  # a host sync: checked in eager mode only
-        if inferred > band_width:
-            raise ValueError(
-                f"band_width={band_width} but rpe_bias is not constant beyond it (it varies up to |r| = {inferred - 1})"
-            )
-    if not tied and algorithm in ("auto", "banded"):
-        band_width = infer_band_width(bias.detach(), n)
-        if bias.requires_grad and torch.is_grad_enabled():
-            if algorithm == "banded":
-                raise ValueError(
-                    "algorithm='banded' with an rpe_bias that requires grad needs band_width (the width of the "
-                    "bias's tied structure, e.g. rpe_band_width(num_buckets, max_distance)) for exact gradients"
-                )
-            band_width = n  # without the tied structure auto may not use banded
-    if algorithm != "auto":
-        return algorithm, band_width
-    reach, chunk = banded_chunking(band_width)
-    has_band = (2 * reach + 1) * chunk < n
-    if has_band:
-        factor = AUTO_DENSE_FACTOR_COMPILED if torch.compiler.is_compiling() else AUTO_DENSE_FACTOR
-        factor = AUTO_DENSE_FACTOR_INFERENCE if inference else factor
-        return ("dense" if n <= factor * banded_window(band_width, m, e) else "banded"), band_width
-    return ("fft" if n >= AUTO_FFT_MIN_LENGTH else "dense"), band_width
-
-
 def _check_inputs(query, key, value, rpe_bias, projection, key_padding_mask, algorithm):
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    if algorithm not in ATTENTION_ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ATTENTION_ALGORITHMS}, got {algorithm!r}")
     if query.dim() != 4 or key.shape != query.shape:
         raise ValueError(f"query and key must both be [B, H, n, d], got {tuple(query.shape)} and {tuple(key.shape)}")
     batch, heads, n, head_dim = query.shape

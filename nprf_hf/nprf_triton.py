@@ -39,19 +39,24 @@ def interpreting():
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def triton_unsupported(query, projection, variant, terms, causal):
-    """None when the kernels can compute this call, else why not (what falls back to the PyTorch algorithms)."""
+def triton_cannot_run(query):
+    """None where the kernels can run on query's device, else why not."""
     if not triton_available():
         return "Triton does not import (pip install triton)"
     if not (query.is_cuda or interpreting()):
         return f"the inputs are on {query.device.type}, and Triton runs on CUDA devices (or with TRITON_INTERPRET=1)"
+    return None
+
+
+def triton_unfused(projection, variant, terms):
+    """None when the kernels compute this call, else what they do not fuse (it runs the PyTorch algorithms)."""
     if variant != "nprf":
         return f"variant={variant!r} (the kernels compute the paper's NPRF features)"
     unfused = [term.name for term in terms.terms if term.feature_scale() is None]
     if unfused:
         return f"the terms {', '.join(unfused)} are not fused (the logit scale is)"
     if projection.requires_grad and torch.is_grad_enabled():
-        return "a learned feature map (the projection's gradient is not computed by the kernels)"
+        return "a learned feature map (the kernels do not compute the projection's gradient)"
     return None
 
 
@@ -88,6 +93,14 @@ def _sizes(query, value, projection, block):
                 BD=pow2(d), BV=pow2(value.shape[-1]), BM=pow2(m), BT=block)
 
 
+def _dot_precision(query):
+    """The kernels' HALF: fp32 products for fp32 inputs; bf16 operands for half ones (bf16's range: the feature
+    products and g = dz / den can leave fp16's), fp16 under the interpreter (its bf16 dot is wrong in Triton 3.x)."""
+    if query.dtype not in (torch.float16, torch.bfloat16):
+        return 0
+    return 2 if interpreting() else 1
+
+
 def _prefix(states):
     """[BH, NC, ...] per-block sums -> [BH, NC + 1, ...] exclusive prefix sums (entry NC is the total)."""
     prefix = states.new_zeros(states.shape[0], states.shape[1] + 1, *states.shape[2:])
@@ -107,10 +120,11 @@ class _TritonProduct(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, c, root, projection, key_padding_mask, causal, reach, block):
-        from . import nprf_triton_kernels as kernels
+        # (`from .x import`, the form transformers follows to copy a remote-code file's siblings)
+        from .nprf_triton_kernels import nprf_forward_kernel, nprf_key_states_kernel
 
         s = _sizes(query, value, projection, block)
-        half = query.dtype in (torch.float16, torch.bfloat16)
+        half = _dot_precision(query)
         projection = projection.detach().float().contiguous()
         c, root = c.detach().float().contiguous(), root.detach().float().contiguous()
         mask, stride_mb, has_mask = _mask_arg(key_padding_mask, query)
@@ -122,14 +136,14 @@ class _TritonProduct(torch.autograd.Function):
         sizes = (s["heads"], s["n"], s["d"], s["dv"], s["m"], nc)
         log_m_half = 0.5 * math.log(s["m"])
         grid = (nc, bh)
-        kernels.nprf_key_states_kernel[grid](
+        nprf_key_states_kernel[grid](
             key, value, projection, mask, root, states, sums, *key.stride(), *value.stride(), stride_mb,
             *sizes, log_m_half, HAS_MASK=has_mask, **common,
         )
         prefix, prefix_sums = _prefix(states), _prefix(sums)
         out = torch.empty(s["batch"], s["heads"], s["n"], s["dv"], device=query.device, dtype=value.dtype)
         denominator = torch.empty(s["batch"], s["heads"], s["n"], device=query.device, dtype=torch.float32)
-        kernels.nprf_forward_kernel[grid](
+        nprf_forward_kernel[grid](
             query, key, value, projection, mask, root, c, prefix, prefix_sums, out, denominator,
             *query.stride(), *key.stride(), *value.stride(), stride_mb, *sizes, reach, log_m_half,
             CAUSAL=causal, HAS_MASK=has_mask, **common,
@@ -140,12 +154,12 @@ class _TritonProduct(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        from . import nprf_triton_kernels as kernels
+        from .nprf_triton_kernels import nprf_key_grad_kernel, nprf_query_grad_kernel, nprf_query_states_kernel
 
         query, key, value, c, root, projection, mask, prefix, prefix_sums, out, denominator = ctx.saved_tensors
         causal, reach, block, has_mask, stride_mb = ctx.settings
         s = _sizes(query, value, projection, block)
-        half = query.dtype in (torch.float16, torch.bfloat16)
+        half = _dot_precision(query)
         bh, nc = s["batch"] * s["heads"], s["blocks"]
         # dz_i / den_i and -(that . z_i): the gradient of weight (i, j) is g_i . v_j + delta_i
         kept = denominator > 0
@@ -159,7 +173,7 @@ class _TritonProduct(torch.autograd.Function):
         grid = (nc, bh)
         query_states = query.new_empty(bh, nc, s["BM"], s["BV"], dtype=torch.float32)
         query_sums = query.new_empty(bh, nc, s["BM"], dtype=torch.float32)
-        kernels.nprf_query_states_kernel[grid](
+        nprf_query_states_kernel[grid](
             query, g, delta, projection, root, query_states, query_sums, *query.stride(), *sizes, log_m_half,
             **common,
         )
@@ -169,12 +183,12 @@ class _TritonProduct(torch.autograd.Function):
         dc = torch.zeros_like(c)
         droot = torch.zeros_like(root)
         strides = (*query.stride(), *key.stride(), *value.stride(), stride_mb)
-        kernels.nprf_query_grad_kernel[grid](
+        nprf_query_grad_kernel[grid](
             query, key, value, projection, mask, root, c, prefix, prefix_sums, g, delta, dq, dc, droot,
             *strides, *sizes, reach, log_m_half, CAUSAL=causal, HAS_MASK=has_mask, NEED_DC=ctx.needs_input_grad[3],
             **common,
         )
-        kernels.nprf_key_grad_kernel[grid](
+        nprf_key_grad_kernel[grid](
             query, key, value, projection, mask, root, c, query_prefix, query_prefix_sums, g, delta, dk, dv, droot,
             *strides, *sizes, reach, log_m_half, CAUSAL=causal, HAS_MASK=has_mask, **common,
         )

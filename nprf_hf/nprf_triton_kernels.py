@@ -23,9 +23,12 @@ except ImportError as error:  # only `nprf_triton` imports this file, after chec
 
 @triton.jit
 def _dot(a, b, HALF: tl.constexpr):
-    """a @ b with fp32 accumulation: bf16 operands on tensor cores for half inputs, full fp32 otherwise."""
-    if HALF:
+    """a @ b with fp32 accumulation: HALF = 1, bf16 operands on tensor cores (half inputs); 2, fp16 operands (the
+    same under Triton's interpreter, whose bf16 dot is wrong); 0, full fp32."""
+    if HALF == 1:
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    if HALF == 2:
+        return tl.dot(a.to(tl.float16), b.to(tl.float16))
     return tl.dot(a, b, input_precision="ieee")
 
 

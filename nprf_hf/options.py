@@ -10,7 +10,9 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 
-ALGORITHMS = ("auto", "dense", "fft", "banded")  # exact algorithms of `functional.nprf_attention` (+ auto)
+ALGORITHMS = ("auto", "dense", "fft", "banded")  # exact algorithms of `functional.nprf_attention` (+ auto), PyTorch
+# the same product as fused kernels (`nprf_triton`): CUDA devices, or the CPU under Triton's interpreter
+KERNEL_ALGORITHMS = ("triton",)
 # attention_variant -> what the self-attention computes: the paper's NPRF and the arms of its ablations, as
 # settings of the same model classes. The first three factor their kernel into features (every algorithm,
 # linear cost, the NPRF cache); the last two are the exact kernels, computed densely (quadratic).
@@ -25,7 +27,7 @@ QUADRATIC_VARIANTS = ("normalized_softmax", "softmax")  # computed from the n x 
 NORMALIZED_VARIANTS = ("nprf", "normalized_softmax")  # q, k L2-normalized: the logit scale applies
 PROJECTED_VARIANTS = ("nprf", "prf")  # features exp(W x ...): what a learned feature map trains
 FEATURE_MAPS = ("orf", "prf")
-ATTENTION_ALGORITHMS = ALGORITHMS
+ATTENTION_ALGORITHMS = ALGORITHMS + KERNEL_ALGORITHMS
 # attention_recompute -> `nprf_attention(recompute=...)`: auto (None) = the long-input algorithms only
 RECOMPUTE_MODES = {"auto": None, "always": True, "never": False}
 RPE_INITS = ("zeros", "calibrated")  # how conversion starts the RPE table
