@@ -176,7 +176,32 @@ def _check_device(args):
         raise ValueError(f"--device {args.device}: torch sees no CUDA GPU here; leave --device out to train on the CPU")
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C, with the one line that says what it left behind."""
+
+
+def _folder_identity(path):
+    """What tells a folder apart from the one moved into its place: (device, inode), or None when absent."""
+    try:
+        found = os.stat(path)
+    except OSError:
+        return None
+    return found.st_dev, found.st_ino
+
+
 def run_convert(args):
+    before = _folder_identity(args.out)
+    try:
+        return _run_convert(args)
+    except KeyboardInterrupt:
+        # the output is staged in a sibling folder and moved into place at the end: OUT is another folder only
+        # if the interrupt came after that move
+        if _folder_identity(args.out) != before:
+            raise Interrupted(f"interrupted after {args.out} was written") from None
+        raise Interrupted(f"interrupted; {args.out} was {'left as it was' if before else 'not written'}") from None
+
+
+def _run_convert(args):
     check_convert_arguments(args)
     _check_device(args)
     from .convert import convert_checkpoint
@@ -321,6 +346,10 @@ def main(argv=None):
     except (ValueError, OSError) as error:
         print(f"nprf-hf {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as interrupt:  # Ctrl-C: a user's choice, not a failure to show a traceback for
+        print(f"nprf-hf {args.command}: {interrupt if isinstance(interrupt, Interrupted) else 'interrupted'}",
+              file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":  # python -m nprf_hf.cli

@@ -326,3 +326,65 @@ def test_no_parser_takes_abbreviations(capsys):
     with pytest.raises(SystemExit) as exit:
         cli_main(["--vers"])
     assert exit.value.code == 2 and capsys.readouterr().out == ""  # not taken for --version
+
+
+# ---------------------------------------------------------------------------------------------
+# Ctrl-C: one line, exit 130, and what it says is what happened
+# ---------------------------------------------------------------------------------------------
+
+
+INTERRUPTED_CONVERSION = """
+import sys, time
+import nprf_hf.convert as convert
+from nprf_hf.cli import main
+
+def stall(src, out_dir, *args):  # the weights are written; wait for Ctrl-C before the rest
+    open(sys.argv[3], "w").write(out_dir)
+    time.sleep(120)
+
+convert._save_extra_files = stall
+sys.exit(main(["convert", sys.argv[1], sys.argv[2], "--overwrite"]))
+"""
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_ctrl_c_during_convert_ends_in_one_line(bert_source, tmp_path, existing):
+    out, marker = tmp_path / "out", tmp_path / "marker"
+    if existing:
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+    script = tmp_path / "convert_until_ctrl_c.py"
+    script.write_text(INTERRUPTED_CONVERSION)
+    process = subprocess.Popen([sys.executable, str(script), bert_source, str(out), str(marker)], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while not marker.exists() and process.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        assert marker.exists(), "the conversion never reached the save"
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 130
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    expected = f"{out} was left as it was" if existing else f"{out} was not written"
+    assert err.strip().splitlines()[-1] == f"nprf-hf convert: interrupted; {expected}", err
+    assert os.listdir(out) == ["notes.txt"] if existing else not out.exists()
+    assert leftovers(tmp_path) == []
+
+
+def test_ctrl_c_after_the_output_is_in_place_says_so(bert_source, tmp_path, monkeypatch, capsys):
+    warn = convert_module.logger.warning
+
+    def interrupt_at_the_last_warning(message, *args):
+        if message == NEEDS_TRANSFER_MESSAGE:  # logged once the output folder is in place
+            raise KeyboardInterrupt
+        warn(message, *args)
+
+    monkeypatch.setattr(convert_module.logger, "warning", interrupt_at_the_last_warning)
+    out = tmp_path / "out"
+    assert cli_main(["convert", bert_source, str(out)]) == 130
+    err = capsys.readouterr().err
+    assert err.endswith(f"\nnprf-hf convert: interrupted after {out} was written\n") and "Traceback" not in err
+    assert (out / "model.safetensors").is_file()
