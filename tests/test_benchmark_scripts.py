@@ -356,3 +356,31 @@ def test_kept_memory_counts_what_backward_keeps(tmp_path):
     with open(stem + ".json") as handle:
         saved = json.load(handle)
     assert saved["meta"]["args"]["num_layers"] == 1 and len(saved["results"]) == 3
+
+
+def test_gpu_benchmark_runs_every_part_through_the_interpreter(tmp_path):
+    """benchmarks/gpu.py --tiny: the one GPU run's code at toy sizes (the kernels under Triton's interpreter), so
+    that a device loan is not spent on a typo; every part writes its ratios, and the plot is made."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    output = tmp_path / "gpu.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "gpu.py"), "--tiny", "--output", str(output)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(output.read_text())
+    assert [r["n"] for r in results["attention"]] == [40, 72]
+    for row in results["attention"]:
+        assert row["speedup_train"] == pytest.approx(row["sdpa_train_s"] / row["nprf_train_s"])
+        assert row["nprf_train_tflops"] > 0
+    assert [(r["batch"], r["n"]) for r in results["model"]] == [(2, 24), (1, 40)]
+    assert all(r["nprf_over_sdpa_train"] > 0 for r in results["model"])
+    assert {(r["batch"], r["context"]) for r in results["decode"]} == {(1, 16), (1, 40), (2, 16), (2, 40)}
+    assert (tmp_path / "gpu.png").stat().st_size > 0
+    # without the interpreter on a CPU-only machine it refuses with one line, not a traceback
+    env.pop("TRITON_INTERPRET")
+    refused = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "gpu.py"), "--tiny"], env=env,
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "TRITON_INTERPRET=1" in refused.stderr and "Traceback" not in refused.stderr

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Issue 43's GPU measurement in one command, sized for one device loan (about 8 minutes on an H100 or H200):
+# the Triton kernels against SDPA's flash kernel (attention alone, 1k-64k tokens), a RoBERTa-base-sized model's
+# forward and training step, and decoding. Needs a CUDA build of torch, transformers and Triton (no install here:
+# the device machines have them and no network). Writes benchmarks/results/gpu_cuda_bf16.json and its plot.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+"$PYTHON" -c "import torch, triton, transformers; assert torch.cuda.is_available(), 'no CUDA device'" 
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv || true
+"$PYTHON" benchmarks/gpu.py --output "${OUTPUT:-benchmarks/results/gpu_cuda_bf16.json}" "$@"
