@@ -53,7 +53,7 @@ from .nprf_positions import (  # noqa: F401  (the bias helpers: public here)
 from .nprf_terms import AttentionTerms
 from .nprf_dispatch import kernel_or_auto
 from .nprf_dispatch import resolve_algorithm as _resolve_algorithm  # noqa: F401  (tests and benchmarks read it here)
-from .nprf_triton import triton_attention
+from .nprf_triton import disable_triton, triton_attention
 from .options import ALGORITHMS  # noqa: F401  (the PyTorch algorithms: read here by tests and benchmarks)
 from .options import ATTENTION_ALGORITHMS, ATTENTION_VARIANTS, QUADRATIC_VARIANTS
 
@@ -169,14 +169,24 @@ def _attention(query, key, value, rpe_bias, projection, key_padding_mask, algori
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (query, key, value, bias, projection, *terms.tensors())
     )
+    requested, given_band_width = algorithm, band_width
     if algorithm in ("auto", "triton"):
         algorithm = kernel_or_auto(algorithm, query, projection, variant, terms, causal)
     algorithm, band_width = _resolve_algorithm(
         algorithm, bias, n, band_width, projection.shape[-2], value.shape[-1] + 1, inference=not needs_grad
     )
     if algorithm == "triton":
-        return triton_attention(query, key, value, rpe_bias, projection, key_padding_mask, terms.logit_scale,
-                                band_width, causal)
+        try:
+            return triton_attention(query, key, value, rpe_bias, projection, key_padding_mask, terms.logit_scale,
+                                    band_width, causal)
+        except Exception as error:  # noqa: BLE001
+            if requested == "triton":
+                raise
+            # "auto" chose kernels that failed to build or launch on this device: the model still runs, said once
+            disable_triton(f"the kernels failed here ({type(error).__name__}: {error})")
+            algorithm, band_width = _resolve_algorithm(
+                "auto", bias, n, given_band_width, projection.shape[-2], value.shape[-1] + 1, inference=not needs_grad
+            )
     if recompute is None:
         feature_bytes = batch * heads * n * projection.shape[-2] * torch.finfo(dtype).bits // 8
         recompute = algorithm in ("banded", "fft") and feature_bytes >= RECOMPUTE_MIN_BYTES

@@ -23,7 +23,8 @@ logger = logging.getLogger(__name__)
 # Rows per block (queries and keys alike): the band is REACH = ceil((W - 1) / BLOCK) key blocks on either side
 # of a query block. 64 is flash attention's usual tile for d = 64 (not measured here yet: no GPU was at hand).
 BLOCK = 64
-_told = set()
+_told = set()  # the fallback reasons already logged
+_disabled = []  # why the kernels failed in this process, if they did
 
 
 def triton_available():
@@ -39,8 +40,16 @@ def interpreting():
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def disable_triton(reason):
+    """Stop "auto" from choosing the kernels in this process (they failed here), and say why once."""
+    _disabled.append(reason)
+    log_fallback_once(reason)
+
+
 def triton_cannot_run(query):
     """None where the kernels can run on query's device, else why not."""
+    if _disabled:
+        return _disabled[0]
     if not triton_available():
         return "Triton does not import (pip install triton)"
     if not (query.is_cuda or interpreting()):

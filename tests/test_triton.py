@@ -185,3 +185,33 @@ def test_remote_code_imports_only_torch_transformers_and_the_standard_library():
     for name in files:
         found = set(get_imports(os.path.join(folder, name)))
         assert found <= {"torch", "transformers"} | set(sys.stdlib_module_names), (name, found)
+
+
+def test_auto_falls_back_once_when_the_kernels_fail_on_the_device(monkeypatch, caplog):
+    """"auto" picks the kernels on a CUDA device; should they fail to build there, the call (and every later one)
+    runs the PyTorch algorithms with one log line; an explicit "triton" raises the error instead."""
+    from nprf_hf import nprf_dispatch
+
+    monkeypatch.setattr(nprf_dispatch, "KERNEL_OF_DEVICE", {"cpu": "triton"})  # the CPU plays the CUDA device
+    monkeypatch.setattr(nprf_triton, "_disabled", [])
+    monkeypatch.setattr(nprf_triton, "_told", set())
+    attempts = []
+
+    def broken(*args):
+        attempts.append(1)
+        raise RuntimeError("PTX assembly failed")
+
+    monkeypatch.setattr(nprf_triton._TritonProduct, "apply", broken)
+    generator = torch.Generator().manual_seed(2)
+    n, width = 30, 4
+    q, k, v, table, projection, mask = inputs(2, 2, n, 16, 16, width, generator)
+    bias = tied_table_bias(table, n, width).detach()
+    with pytest.raises(RuntimeError, match="PTX"):
+        Fn.nprf_attention(q, k, v, bias, projection, mask, algorithm="triton")
+    with caplog.at_level(logging.WARNING, logger="nprf_hf.nprf_triton"):
+        outs = [Fn.nprf_attention(q, k, v, bias, projection, mask) for _ in range(2)]
+    assert len(attempts) == 2  # the explicit call, then auto's first; not auto's second
+    said = [r.getMessage() for r in caplog.records if "PTX assembly failed" in r.getMessage()]
+    assert len(said) == 1
+    ref = naive_attention(q, k, v, bias, projection, mask)
+    assert all(relative_error(out, ref) < 1e-5 for out in outs)
