@@ -13,7 +13,8 @@ source argument before any loading.
   one of a Hub id's form that is neither a local folder nor on the Hub (a typo), asking the Hub once.
 - `check_output_dir` / `staged_output_dir`: a command never writes into its source, never replaces a
   user's non-empty folder unasked, and never leaves a half-written one (everything is written to a
-  temporary sibling and moved into place at the end).
+  temporary sibling and moved into place at the end, with the modes the user's umask gives);
+  `replaced_contents`: what an overwrite will remove, to say before removing it.
 
 This module imports no torch, so the CLI checks its arguments before loading anything.
 """
@@ -146,6 +147,53 @@ def check_output_dir(out_dir, src=None, overwrite=False, overwrite_flag="--overw
     return out
 
 
+def replaced_contents(out_dir, shown=20):
+    """The warning that replacing `out_dir` will remove what it holds (its top-level entries, folders marked with
+    `/`), or None when it holds nothing."""
+    try:
+        names = sorted(os.listdir(out_dir))
+    except OSError:
+        return None
+    if not names:
+        return None
+    listed = [name + ("/" if os.path.isdir(os.path.join(out_dir, name)) else "") for name in names[:shown]]
+    more = f", and {len(names) - shown} more" if len(names) > shown else ""
+    return (
+        f"replacing {os.fspath(out_dir)}: its {len(names)} entr{'y' if len(names) == 1 else 'ies'} "
+        f"({', '.join(listed)}{more}) will be removed once the new output is complete (an error or Ctrl-C before "
+        "then leaves them as they are)"
+    )
+
+
+def _umask():
+    """The process's umask (read from /proc where it can be: setting it to read it back is not thread-safe)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _apply_umask(folder):
+    """Give `folder` and everything in it the modes the umask gives new files: mkdtemp makes the staging folder
+    0700 and safetensors writes its weights 0600, which would make a converted model unreadable to other users."""
+    mask = _umask()
+    os.chmod(folder, 0o777 & ~mask)
+    for parent, folders, files in os.walk(folder):
+        for name in folders:
+            os.chmod(os.path.join(parent, name), 0o777 & ~mask)
+        for name in files:
+            path = os.path.join(parent, name)
+            if not os.path.islink(path):
+                executable = os.stat(path).st_mode & 0o111
+                os.chmod(path, (0o777 if executable else 0o666) & ~mask)
+
+
 @contextlib.contextmanager
 def staged_output_dir(out_dir, src=None, overwrite=False, overwrite_flag="--overwrite"):
     """Yield a fresh temporary folder beside `out_dir` (`.tmp-<name>-*`, same file system); when the block
@@ -158,6 +206,7 @@ def staged_output_dir(out_dir, src=None, overwrite=False, overwrite_flag="--over
     staging = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(out) + "-", dir=parent)
     try:
         yield staging
+        _apply_umask(staging)
         if os.path.exists(out):
             # the old contents go aside first, so that a failure between the two moves loses nothing
             previous = tempfile.mkdtemp(prefix=".old-" + os.path.basename(out) + "-", dir=parent)

@@ -25,6 +25,7 @@ from .checkpoint_files import (
     carry_sentence_transformers_files,
     check_local_path,
     check_output_dir,
+    replaced_contents,
     set_max_seq_length,
     staged_output_dir,
     write_conversion_report,
@@ -623,6 +624,9 @@ def convert_checkpoint(src, out_dir, *, tokenizer=None, overwrite: bool = False,
     `out_dir` only once complete (an error or interruption leaves `out_dir` as it was).
     kwargs as in `convert_to_nprf`. Returns the `ConversionReport`."""
     check_output_dir(out_dir, src, overwrite, "overwrite=True")  # before minutes of loading and training
+    replaced = replaced_contents(out_dir) if overwrite else None
+    if replaced is not None:
+        logger.warning(replaced)
     model, tokenizer, report = _convert(src, tokenizer=tokenizer, **kwargs)
     with staged_output_dir(out_dir, src, overwrite, "overwrite=True") as staging:
         model.save_pretrained(staging)

@@ -388,3 +388,54 @@ def test_ctrl_c_after_the_output_is_in_place_says_so(bert_source, tmp_path, monk
     err = capsys.readouterr().err
     assert err.endswith(f"\nnprf-hf convert: interrupted after {out} was written\n") and "Traceback" not in err
     assert (out / "model.safetensors").is_file()
+
+
+# ---------------------------------------------------------------------------------------------
+# --overwrite says what it removes; the output is the user's to share
+# ---------------------------------------------------------------------------------------------
+
+
+def test_overwrite_lists_what_it_will_remove_before_removing_it(bert_source, tmp_path, caplog):
+    out = tmp_path / "out"
+    (out / "old").mkdir(parents=True)
+    (out / "notes.txt").write_text("mine")
+    (out / "old" / "weights.bin").write_text("")
+    seen = []
+
+    class StillThere(logging.Handler):
+        def emit(self, record):
+            if "notes.txt" in record.getMessage():
+                seen.append((record.getMessage(), (out / "notes.txt").exists()))
+
+    handler = StillThere()
+    logging.getLogger("nprf_hf.convert").addHandler(handler)
+    try:
+        assert cli_main(["convert", bert_source, str(out), "--overwrite"]) == 0
+    finally:
+        logging.getLogger("nprf_hf.convert").removeHandler(handler)
+    assert len(seen) == 1 and seen[0][1], seen  # said once, while the files were still there
+    assert f"replacing {out}: its 2 entries (notes.txt, old/) will be removed" in seen[0][0]
+    assert not (out / "notes.txt").exists()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="nprf_hf.convert"):  # a new or empty folder: nothing to say
+        convert_checkpoint(bert_source, str(tmp_path / "new"), overwrite=True)
+    assert "will be removed" not in caplog.text
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_output_keeps_the_users_umask(bert_source, tmp_path, umask):
+    """The staging folder comes from mkdtemp (0700) and safetensors writes its file 0600: the output must have the
+    modes every other file of the user gets, or other users (a shared model folder, a web server) cannot read it."""
+    previous = os.umask(umask)
+    try:
+        out = tmp_path / "out"
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+        assert cli_main(["convert", bert_source, str(out), "--overwrite"]) == 0
+    finally:
+        os.umask(previous)
+    modes = {os.path.relpath(os.path.join(folder, name), out): os.stat(os.path.join(folder, name)).st_mode & 0o777
+             for folder, folders, files in os.walk(out) for name in folders + files}
+    assert "model.safetensors" in modes
+    assert os.stat(out).st_mode & 0o777 == 0o777 & ~umask
+    assert {name: mode for name, mode in modes.items() if mode != 0o666 & ~umask} == {}
