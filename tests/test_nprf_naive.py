@@ -92,3 +92,91 @@ def test_rows_without_keys_are_zero_and_gradients_are_finite():
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     out.sum().backward()
     assert torch.isfinite(q.grad).all() and q.grad[0].abs().sum() > 0
+
+
+# --- the first-key bias and the random-feature and elu kernels, against sums written out by hand ----------------
+
+
+Q = [[[0.5, -1.0], [1.5, 0.25], [-0.75, 0.5]], [[-0.3, 0.8], [0.0, -1.2], [1.1, 1.0]]]  # [H=2][n=3][d=2]
+K = [[[1.0, 0.5], [-0.5, -0.25], [0.25, 1.25]], [[0.6, -0.9], [-1.4, 0.2], [0.7, 0.3]]]
+BIAS = [[0.1, -0.4, 0.3, 0.8, -0.2], [0.0, 0.5, -0.6, 0.2, 0.9]]  # [H][2n - 1]: entry j - i + n - 1
+W = [[0.9, -0.3], [-0.6, 1.2], [0.4, 0.7]]  # [m=3][d=2]
+
+
+def tensors(*lists):
+    return (torch.tensor(x, dtype=torch.float64) for x in lists)
+
+
+def hand_weights(kappa, first_key_bias=None, causal=False):
+    """[1, H, n, n]: w_ij = kappa(h, q_i, k_j) exp(b_{j-i} + gamma [j = 0]), rows normalised, with loops."""
+    heads, n = len(Q), len(Q[0])
+    out = [[[0.0] * n for _ in range(n)] for _ in range(heads)]
+    for h in range(heads):
+        for i in range(n):
+            row = []
+            for j in range(n):
+                exponent = BIAS[h][j - i + n - 1] + (first_key_bias[h] if first_key_bias is not None and j == 0 else 0.0)
+                row.append(0.0 if causal and j > i else kappa(h, Q[h][i], K[h][j]) * math.exp(exponent))
+            out[h][i] = [w / sum(row) for w in row]
+    return torch.tensor([out], dtype=torch.float64)
+
+
+def dot(x, y):
+    return sum(a * b for a, b in zip(x, y))
+
+
+def softmax_kappa(h, x, y):
+    return math.exp(dot(x, y) / math.sqrt(len(x)))
+
+
+def prf_features(x, w):
+    """phi(x d^-1/4): exp(w_r . x' - |x'|^2 / 2) / sqrt(m) for each row w_r of w."""
+    scaled = [a * len(x) ** -0.25 for a in x]
+    return [math.exp(dot(row, scaled) - dot(scaled, scaled) / 2) / math.sqrt(len(w)) for row in w]
+
+
+def elu_plus_one(x):
+    return [a + 1 if a > 0 else math.exp(a) for a in x]
+
+
+def test_first_key_bias_adds_gamma_to_the_exponent_of_key_zero_only():
+    q, k, bias, gamma = tensors([Q], [K], BIAS, [1.5, -2.0])
+    for causal in (False, True):
+        expected = hand_weights(softmax_kappa, [1.5, -2.0], causal)
+        weights = naive_attention_weights(q, k, bias, None, None, causal, variant="softmax", first_key_bias=gamma)
+        torch.testing.assert_close(weights, expected, rtol=1e-12, atol=1e-14)
+    # the bias moves weight onto key 0 in head 0 and off it in head 1
+    plain = naive_attention_weights(q, k, bias, None, variant="softmax")
+    biased = naive_attention_weights(q, k, bias, None, variant="softmax", first_key_bias=gamma)
+    assert (biased[0, 0, :, 0] > plain[0, 0, :, 0]).all() and (biased[0, 1, :, 0] < plain[0, 1, :, 0]).all()
+
+
+def test_prf_kernel_is_the_feature_dot_product_of_d_quarter_scaled_inputs():
+    q, k, bias, w = tensors([Q], [K], BIAS, W)
+
+    def kappa(h, x, y):
+        return dot(prf_features(x, W), prf_features(y, W))
+
+    for causal in (False, True):
+        weights = naive_attention_weights(q, k, bias, w, None, causal, variant="prf")
+        torch.testing.assert_close(weights, hand_weights(kappa, causal=causal), rtol=1e-12, atol=1e-14)
+    # per-head projections: head h uses its own rows
+    other = [[-0.2, 0.5], [1.1, 0.1], [0.3, -0.8]]
+
+    def per_head(h, x, y):
+        rows = (W, other)[h]
+        return dot(prf_features(x, rows), prf_features(y, rows))
+
+    weights = naive_attention_weights(q, k, bias, torch.tensor([W, other], dtype=torch.float64), variant="prf")
+    torch.testing.assert_close(weights, hand_weights(per_head), rtol=1e-12, atol=1e-14)
+
+
+def test_elu_linear_kernel_is_the_dot_product_of_elu_plus_one():
+    q, k, bias = tensors([Q], [K], BIAS)
+
+    def kappa(h, x, y):
+        return dot(elu_plus_one(x), elu_plus_one(y))
+
+    for causal in (False, True):
+        weights = naive_attention_weights(q, k, bias, None, None, causal, variant="elu_linear")
+        torch.testing.assert_close(weights, hand_weights(kappa, causal=causal), rtol=1e-12, atol=1e-14)
