@@ -311,7 +311,9 @@ def build_parser():
     parser = argparse.ArgumentParser(
         prog="nprf-hf",
         allow_abbrev=False,
-        description="NPRF attention for HuggingFace encoders (" + ", ".join(f.display_name for f in families) + ")",
+        description="NPRF attention for HuggingFace models (" + ", ".join(f.display_name for f in families) + "): "
+        "encoders and decoders (convert --head causal-lm: "
+        + ", ".join(f.display_name for f in families if "causal-lm" in f.heads) + ")",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

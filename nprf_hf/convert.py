@@ -37,13 +37,19 @@ from .options import RPE_INITS
 
 logger = logging.getLogger(__name__)
 
-# Measured with `python benchmarks/transfer.py --steps 0 500 --variants paper` (MiniLM, SST-2 dev sentences,
-# 2 CPU cores): what a user gets from a bare conversion, and what fixes it.
+# What a user gets from a bare conversion, and what fixes it. No numbers: the ones measured (MiniLM's sentence
+# embeddings, benchmarks/transfer.py) would be quoted for every model and head; the results page has them.
 NEEDS_TRANSFER_MESSAGE = (
-    "converted without attention transfer: the attention changed, so the outputs are not yet the source's "
-    "(MiniLM: sentence embeddings' cosine to the source 0.49; 0.92 after the default 500 transfer steps, about 6 "
-    "min on 2 CPU cores). Fix: nprf-hf convert SRC OUT --attention-transfer-text FILE (plain text, one text per "
-    "line), or fine-tune the model on your task."
+    "converted without attention transfer: the attention changed, so the outputs are not yet the source's (how "
+    "far, and how much the transfer wins back, is measured in docs/RESULTS.md#attention-transfer). Fix: nprf-hf "
+    "convert SRC OUT --attention-transfer-text FILE (plain text, one text per line), or fine-tune the model on "
+    "your task."
+)
+# An encoder made a decoder has no causal attention to copy: attention transfer refuses it.
+NEEDS_LANGUAGE_MODELLING_MESSAGE = (
+    "converted an encoder to a decoder: its attention is new and now sees only the left context, so it generates "
+    "noise until trained as a language model (e.g. examples/run_clm.py); attention transfer does not apply, the "
+    "source attends in both directions."
 )
 
 @dataclass
@@ -68,6 +74,7 @@ class ConversionReport:
     # max_seq_length when convert_checkpoint carried one: a silent cut of long inputs otherwise
     max_input_length: Optional[int] = None
     max_seq_length: Optional[tuple] = None
+    encoder_to_decoder: bool = False  # a causal-lm head on an encoder: causal attention the source never had
 
     def format(self):
         lines = [
@@ -408,6 +415,7 @@ def _convert(
     target_class = NPRF_MODEL_CLASSES[model_type][head]
     target = target_class(config).eval()
     report = ConversionReport(model_type, architecture, target_class.__name__, rpe_init=rpe_init)
+    report.encoder_to_decoder = bool(config.is_decoder) and not source_is_decoder
     loaded = _copy_source_tensors(source, target, architecture, family, head, report)
     _mark_tied_and_untrained_head(report, target, loaded, family.class_name(head, nprf=False))
     if rpe_init == "calibrated":
@@ -633,7 +641,9 @@ def convert_checkpoint(src, out_dir, *, tokenizer=None, overwrite: bool = False,
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
         _save_extra_files(src, staging, model.config, report, kwargs)
-    if report.transfer is None and report.long_context is None:
+    if report.encoder_to_decoder:
+        logger.warning(NEEDS_LANGUAGE_MODELLING_MESSAGE)
+    elif report.transfer is None and report.long_context is None:
         logger.warning(NEEDS_TRANSFER_MESSAGE)
     return report
 

@@ -439,3 +439,34 @@ def test_output_keeps_the_users_umask(bert_source, tmp_path, umask):
     assert "model.safetensors" in modes
     assert os.stat(out).st_mode & 0o777 == 0o777 & ~umask
     assert {name: mode for name, mode in modes.items() if mode != 0o666 & ~umask} == {}
+
+
+# ---------------------------------------------------------------------------------------------
+# Messages true to the model at hand
+# ---------------------------------------------------------------------------------------------
+
+
+def test_help_says_it_converts_decoders_too():
+    from nprf_hf import cli
+
+    description = cli.build_parser().description
+    assert "encoders" not in description.replace("encoders and decoders", "")
+    assert "decoders" in description and "BERT" in description
+
+
+def test_untrained_model_warning_quotes_no_other_models_numbers(bert_source, roberta_source, tmp_path, caplog):
+    """The bare-conversion warning quoted MiniLM's sentence-embedding cosines for any model and head, and told a
+    RoBERTa made a decoder to run attention transfer, which refuses that case."""
+    with caplog.at_level(logging.WARNING, logger="nprf_hf.convert"):
+        assert cli_main(["convert", bert_source, str(tmp_path / "bert"), "--num-random-features", "8"]) == 0
+    said = caplog.text
+    assert "--attention-transfer-text" in said
+    assert "MiniLM" not in said and "0.49" not in said and "0.92" not in said
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="nprf_hf.convert"):
+        assert cli_main(["convert", roberta_source, str(tmp_path / "lm"), "--head", "causal-lm",
+                         "--num-random-features", "8"]) == 0
+    said = caplog.text
+    assert "MiniLM" not in said and "0.49" not in said and "sentence embeddings" not in said
+    assert "--attention-transfer-text" not in said and NEEDS_TRANSFER_MESSAGE not in said
+    assert "decoder" in said and "language model" in said
