@@ -329,11 +329,11 @@ def _reject_unrecognized(parser, extras):
     name is suggested."""
     import difflib
 
-    options = [name for action in parser._actions for name in action.option_strings]
+    known = [name for action in parser._actions for name in action.option_strings]
     guesses = []
     for extra in extras:
         if extra.startswith("-"):
-            guesses += difflib.get_close_matches(extra.split("=", 1)[0], options, n=1)
+            guesses += difflib.get_close_matches(extra.split("=", 1)[0], known, n=1)
     hint = f" (did you mean {' / '.join(dict.fromkeys(guesses))}?)" if guesses else ""
     parser.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
 
