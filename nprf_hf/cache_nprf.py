@@ -1,112 +1,29 @@
 # coding=utf-8
 """Recurrent NPRF decoding: a `transformers` Cache whose size does not grow with the context.
 
-With T5's unidirectional buckets the causal bias is constant for every distance >= W (W =
-`rpe_band_width(num_buckets, max_distance, bidirectional=False)`), so for the query at position p
-
-    numerator_p   = phi(q_p)^T [ c_far S_{p-W} + sum_{p-W < j <= p} c_{p-j} phi(k_j) v_j^T ]
-    denominator_p = phi(q_p)^T [ c_far z_{p-W} + sum_{p-W < j <= p} c_{p-j} phi(k_j) ]
-
-with S_t = sum_{j <= t} phi(k_j) v_j^T [m, d] and z_t = sum_{j <= t} phi(k_j) [m] (c_delta = exp(b_{-delta})).
-A decoder therefore needs, per layer and head, only S, z of the keys older than the band and the
-features and values of the last W - 1 keys: memory and time per generated token independent of the
-context length. The prompt is attended by `nprf_attention` (dense / fft / banded, any length), then
-the state is built from its keys.
-
-Layout of the state (per layer): `far_states` [B, H, m, d + 1] holds [S | z] (one matmul serves
-numerator and denominator), `ring_features` [B, H, W - 1, m] and `ring_values` [B, H, W - 1, d + 1]
-the last W - 1 keys' phi(k) and [v | 1], oldest first (padded keys have phi(k) = 0: they count in
-no sum).
-
-The first section holds pure functions (tensors in, tensors out); `NPRFCacheLayer` / `NPRFCache` only
-keep their results between calls. `NPRFStaticCache` keeps the same state in place, for a compiled decode step
-(`generate(..., cache_implementation="static")`).
+The math (the state of the keys older than the band, and the recurrent step that reads and advances it) is in
+`nprf_recurrent`; `NPRFCacheLayer` / `NPRFCache` keep its results between calls, and `NPRFStaticCache` keeps the
+same state in place, for a compiled decode step (`generate(..., cache_implementation="static")`).
 """
+
 
 import torch
 
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, EncoderDecoderCache
 from transformers.masking_utils import create_masks_for_generate
 
-from .functional import normalize_attention, nprf_attention, toeplitz_coefficients
-from .nprf_features import compute_dtype, values_and_ones, variant_features
-from .nprf_positions import relative_position_bias, t5_relative_position_bucket
+from .functional import nprf_attention
+from .nprf_positions import relative_position_bias
+from .nprf_recurrent import (  # noqa: F401  (DECODE_BLOCK, recurrent_attention: public here as before)
+    DECODE_BLOCK,
+    causal_distance_bias,
+    recurrent_attention,
+    recurrent_state_from_prefill,
+    recurrent_step,
+    key_features_and_values,
+)
 from .nprf_terms import AttentionTerms
 from .options import QUADRATIC_VARIANTS
-
-
-# New tokens of one forward call are attended in blocks of at most this many queries: the dense
-# [block, W - 1 + block] weights of a block stay small, and the cost stays linear in the block count.
-DECODE_BLOCK = 128
-
-
-# ---------------------------------------------------------------------------------------------
-# Pure functions
-# ---------------------------------------------------------------------------------------------
-
-
-def causal_distance_bias(table, band_width, num_buckets=32, max_distance=128):
-    """The unidirectional bias by distance: [H, W + 1], entry delta = b_{-delta} for delta < W and entry W
-    the far bias shared by every distance >= W.
-
-    Args:
-        table: [H, num_buckets] bucket table.
-    """
-    distance = torch.arange(band_width + 1, device=table.device)
-    return table[:, t5_relative_position_bucket(-distance, False, num_buckets, max_distance)]
-
-
-def recurrent_state_from_prefill(phi_k, u, band_width):
-    """The state after a prompt of n keys: S, z of keys 0 .. n - W and the last W - 1 keys.
-
-    Args:
-        phi_k: [B, H, n, m] key features (padded keys zeroed). u: [B, H, n, e] values with a ones column.
-    Returns:
-        far_states [B, H, m, e], ring_features [B, H, W - 1, m], ring_values [B, H, W - 1, e]
-        (zero rows in front when n < W - 1).
-    """
-    n = phi_k.shape[-2]
-    ring = band_width - 1
-    far = max(n - ring, 0)
-    far_states = phi_k[:, :, :far].transpose(-1, -2) @ u[:, :, :far]
-    missing = max(ring - n, 0)  # keys before the sequence start: zero rows, no weight
-    # copies, not views: the state must not keep the whole prompt's features alive
-    ring_features = torch.nn.functional.pad(phi_k[:, :, far:], (0, 0, missing, 0)).clone()
-    ring_values = torch.nn.functional.pad(u[:, :, far:], (0, 0, missing, 0)).clone()
-    return far_states, ring_features, ring_values
-
-
-def recurrent_attention(phi_q, phi_k, u, far_states, ring_features, ring_values, c):
-    """Attend L new tokens to the state of the keys before them and to each other, and advance the state.
-
-    Args:
-        phi_q, phi_k: [B, H, L, m] features of the new queries and keys (padded keys zeroed).
-        u: [B, H, L, e] new values with a ones column.
-        far_states, ring_features, ring_values: the state before the new tokens (see the module docstring).
-        c: [H, W + 1] exp(bias) by distance (`causal_distance_bias`, shifted as the caller likes: ratios count).
-    Returns:
-        (out [B, H, L, e]: sum_j c phi(q).phi(k_j) [v_j | 1], the numerator and denominator of each query;
-        far_states, ring_features, ring_values: the state after the new tokens). The inputs are not modified.
-    """
-    ring = ring_features.shape[-2]
-    outputs = []
-    for start in range(0, phi_q.shape[-2], DECODE_BLOCK):
-        stop = min(start + DECODE_BLOCK, phi_q.shape[-2])
-        q, length = phi_q[:, :, start:stop], stop - start
-        # The window: the W - 1 previous keys then the block's own, oldest first.
-        window_features = torch.cat([ring_features, phi_k[:, :, start:stop]], dim=-2)
-        window_values = torch.cat([ring_values, u[:, :, start:stop]], dim=-2)
-        # Query a of the block sits at window row ring + a; key w is at distance ring + a - w (< 0: future).
-        distance = ring + torch.arange(length, device=c.device)[:, None] - torch.arange(ring + length, device=c.device)
-        weights = torch.where(distance >= 0, c[:, distance.clamp(0, ring + 1)], 0.0)  # [H, length, window]
-        out = ((q @ window_features.transpose(-1, -2)) * weights) @ window_values
-        out = out.addcmul_(q @ far_states, c[:, -1, None, None])  # keys older than the band: c_far [S | z]
-        outputs.append(out)
-        # The first `length` window keys leave the band for good: into S, z.
-        far_states = far_states + window_features[:, :, :length].transpose(-1, -2) @ window_values[:, :, :length]
-        ring_features, ring_values = window_features[:, :, length:].clone(), window_values[:, :, length:].clone()
-    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-2)
-    return out, far_states, ring_features, ring_values
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,12 +253,6 @@ class NPRFCache(Cache):
         mask = self._check_call(layer, layer_idx, batch, length, key_padding_mask, projection)
         # the new tokens are the mask's last columns, whether it covers the whole sequence or only them
         new_mask = None if mask is None else mask[:, mask.shape[-1] - length :]
-        dtype = compute_dtype(query.dtype)
-        # The new keys' features (padded keys zeroed after the map: phi(0) != 0) and [v | 1].
-        phi_k = variant_features(key.to(dtype), projection, variant, logit_scale)
-        if new_mask is not None:
-            phi_k = phi_k * new_mask[:, None, :, None].to(dtype)
-        u = values_and_ones(value.to(dtype))
         if prefill:  # the fast exact algorithms over the prompt, then the state from its keys
             bias = relative_position_bias(rpe_table, length, False, num_buckets, max_distance)
             out = nprf_attention(
@@ -357,14 +268,12 @@ class NPRFCache(Cache):
                 variant=variant,
                 terms=terms,
             )
+            phi_k, u = key_features_and_values(key, value, new_mask, projection, variant, logit_scale)
             state = recurrent_state_from_prefill(phi_k, u, band_width)
         else:
-            phi_q = variant_features(query.to(dtype), projection, variant, logit_scale)
-            bias = causal_distance_bias(rpe_table, band_width, num_buckets, max_distance).to(dtype)
-            c, _ = toeplitz_coefficients(bias)
             state = (layer.far_states, layer.ring_features, layer.ring_values)
-            sums, *state = recurrent_attention(phi_q, phi_k, u, *state, c)
-            out = normalize_attention(sums[..., :-1], sums[..., -1:]).to(query.dtype)
+            out, state = recurrent_step(query, key, value, new_mask, state, rpe_table, projection, band_width,
+                                        num_buckets, max_distance, algorithm, variant, terms)
         real = torch.full((batch,), length, device=query.device) if new_mask is None else new_mask.sum(-1)
         layer.store(*state, real, length)
         if not torch.compiler.is_compiling():  # storage ids cannot be traced; generate() keeps the projection anyway

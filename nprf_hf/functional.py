@@ -170,8 +170,7 @@ def _attention(query, key, value, rpe_bias, projection, key_padding_mask, algori
         t is not None and t.requires_grad for t in (query, key, value, bias, projection, *terms.tensors())
     )
     requested, given_band_width = algorithm, band_width
-    if algorithm in ("auto", "triton"):
-        algorithm = kernel_or_auto(algorithm, query, projection, variant, terms, causal)
+    algorithm = kernel_or_auto(algorithm, query, projection, variant, terms, causal)
     algorithm, band_width = _resolve_algorithm(
         algorithm, bias, n, band_width, projection.shape[-2], value.shape[-1] + 1, inference=not needs_grad
     )

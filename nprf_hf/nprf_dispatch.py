@@ -32,15 +32,18 @@ KERNEL_OF_DEVICE = {"cuda": "triton"}
 
 
 def kernel_or_auto(algorithm, query, projection, variant, terms, causal):
-    """"triton" where the fused kernels can run this call ("auto": on a CUDA device in eager mode), else "auto". An
+    """"triton" where the fused kernels can run this call ("auto": on a CUDA device in eager mode), else "auto" (any
+    other algorithm is returned as it is: the user chose PyTorch's). An
     explicit "triton" where Triton cannot run is an error; a call with something the kernels do not fuse runs the
     PyTorch algorithms, said once in the log."""
+    if algorithm not in ("auto", "triton"):
+        return algorithm
     if algorithm == "auto" and (KERNEL_OF_DEVICE.get(query.device.type) != "triton" or torch.compiler.is_compiling()):
         return "auto"
     reason = triton_cannot_run(query)
     if reason is not None and algorithm == "triton":
         raise ValueError(f"algorithm='triton' cannot run: {reason}")
-    reason = reason or triton_unfused(projection, variant, terms)
+    reason = reason or triton_unfused(query, projection, variant, terms)
     if reason is None:
         return "triton"
     log_fallback_once(reason)

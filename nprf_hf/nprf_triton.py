@@ -57,8 +57,10 @@ def triton_cannot_run(query):
     return None
 
 
-def triton_unfused(projection, variant, terms):
+def triton_unfused(query, projection, variant, terms):
     """None when the kernels compute this call, else what they do not fuse (it runs the PyTorch algorithms)."""
+    if query.dtype == torch.float64:
+        return "float64 inputs (the kernels compute in float32)"
     if variant != "nprf":
         return f"variant={variant!r} (the kernels compute the paper's NPRF features)"
     unfused = [term.name for term in terms.terms if term.feature_scale() is None]
@@ -202,3 +204,33 @@ class _TritonProduct(torch.autograd.Function):
             *strides, *sizes, reach, log_m_half, CAUSAL=causal, HAS_MASK=has_mask, **common,
         )
         return (dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), dc, droot, None, None, None, None, None)
+
+
+def triton_decode_step(query, key, value, new_mask, state, c, projection, logit_scale):
+    """One token's recurrent step (`nprf_recurrent.recurrent_step` with L = 1) as one kernel launch per layer.
+
+    query, key, value [B, H, 1, d]; new_mask None or bool [B, 1]; state (far_states [B, H, m, d + 1], ring_features
+    [B, H, W - 1, m], ring_values [B, H, W - 1, d + 1]) in fp32; c [H, W + 1] exp(bias) by distance, entry W the far
+    one. Returns (out [B, H, 1, d] in query's dtype, the new state; the old one is not modified)."""
+    from .nprf_triton_kernels import nprf_decode_kernel
+
+    batch, heads, _, d = query.shape
+    dv, m = value.shape[-1], projection.shape[-2]
+    far_states, ring_features, ring_values = (t.contiguous() for t in state)
+    ring = ring_features.shape[-2]
+    root = torch.ones(heads, device=query.device) if logit_scale is None else logit_scale.float().sqrt()
+    mask = torch.zeros(1, dtype=torch.int8, device=query.device) if new_mask is None else (
+        new_mask[:, -1].to(device=query.device, dtype=torch.int8).contiguous())
+    out = torch.empty(batch, heads, 1, dv, device=query.device, dtype=query.dtype)
+    new_state = [torch.empty_like(t) for t in (far_states, ring_features, ring_values)]
+    pow2 = lambda x: max(16, 1 << (x - 1).bit_length())  # noqa: E731
+    nprf_decode_kernel[(batch * heads,)](
+        query, key, value, mask, projection.detach().float().contiguous(), root.contiguous(), c.float().contiguous(),
+        far_states, ring_features, ring_values, out, *new_state,
+        query.stride(0), query.stride(1), query.stride(3), key.stride(0), key.stride(1), key.stride(3),
+        value.stride(0), value.stride(1), value.stride(3),
+        heads, d, dv, m, ring, 0.5 * math.log(m),
+        HAS_MASK=new_mask is not None, W_PER_HEAD=int(projection.dim() == 3), EPS=NORM_EPS,
+        BD=pow2(d), BE=pow2(dv + 1), BM=pow2(m), BR=pow2(ring + 1),
+    )
+    return out, new_state

@@ -68,6 +68,63 @@ def _input_grad(dphi, phi, y, inverse, w, root, HALF: tl.constexpr):
 
 
 @triton.jit
+def _projection(W, ROOT, h, M, D, W_PER_HEAD: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
+    """Head h's projection [BM, BD] (zero rows and columns beyond m, d) and its feature scale sqrt(s)."""
+    feats, cols = tl.arange(0, BM), tl.arange(0, BD)
+    w = tl.load(W + W_PER_HEAD * h * M * D + feats[:, None] * D + cols[None, :],
+                mask=(feats[:, None] < M) & (cols[None, :] < D), other=0.0).to(tl.float32)
+    return w, tl.load(ROOT + h)
+
+
+@triton.jit
+def _band_tile(K, V, C, MASK, b, h, rows_q, key_block, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb,
+               stride_vh, stride_vn, stride_vd, stride_mb, w, root, N, D, DV, M, log_m_half, CAUSAL: tl.constexpr,
+               HAS_MASK: tl.constexpr, EPS: tl.constexpr, HALF: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+               BV: tl.constexpr):
+    """One key block of a query block's band: (phi_k [BT, BM], v [BT, BV], c_{j-i} [BT q, BT k] with zeros where a
+    key is padded, past the end or (causal) after the query, and that mask)."""
+    rows_k = key_block * BT + tl.arange(0, BT)
+    k = _load_rows(K + b * stride_kb + h * stride_kh, rows_k, N, tl.arange(0, BD), D, stride_kn, stride_kd)
+    phi_k, _, _ = _features(k, w, root, M, log_m_half, EPS, HALF)
+    v = _load_rows(V + b * stride_vb + h * stride_vh, rows_k, N, tl.arange(0, BV), DV, stride_vn, stride_vd)
+    relative = rows_k[None, :] - rows_q[:, None]
+    valid = (rows_q[:, None] < N) & (rows_k[None, :] < N)
+    if HAS_MASK:
+        valid = valid & (tl.load(MASK + b * stride_mb + rows_k, mask=rows_k < N, other=0) != 0)[None, :]
+    if CAUSAL:
+        valid = valid & (relative <= 0)
+    c = tl.load(C + h * (2 * N - 1) + relative + N - 1, mask=valid, other=0.0)
+    return phi_k, v, c, relative, valid
+
+
+@triton.jit
+def _key_block(K, V, MASK, b, h, rows, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn,
+               stride_vd, stride_mb, w, root, N, D, DV, M, log_m_half, HAS_MASK: tl.constexpr, EPS: tl.constexpr,
+               HALF: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr):
+    """A block of keys: (phi_k [BT, BM], zero for padded keys and past the end, y and the inverse norm for its
+    backward, v [BT, BV], which rows are kept)."""
+    k = _load_rows(K + b * stride_kb + h * stride_kh, rows, N, tl.arange(0, BD), D, stride_kn, stride_kd)
+    keep = rows < N
+    if HAS_MASK:
+        keep = keep & (tl.load(MASK + b * stride_mb + rows, mask=rows < N, other=0) != 0)
+    phi, y, inverse = _features(k, w, root, M, log_m_half, EPS, HALF)
+    v = _load_rows(V + b * stride_vb + h * stride_vh, rows, N, tl.arange(0, BV), DV, stride_vn, stride_vd)
+    return tl.where(keep[:, None], phi, 0.0), y, inverse, v, keep
+
+
+@triton.jit
+def _query_block(Q, G, DELTA, b, h, bh, rows, stride_qb, stride_qh, stride_qn, stride_qd, w, root, N, D, DV, M,
+                 log_m_half, EPS: tl.constexpr, HALF: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr):
+    """A block of queries in backward: (phi_q [BT, BM], y and the inverse norm for its backward, g [BT, BV] and
+    delta [BT], zeros past the end)."""
+    q = _load_rows(Q + b * stride_qb + h * stride_qh, rows, N, tl.arange(0, BD), D, stride_qn, stride_qd)
+    phi, y, inverse = _features(q, w, root, M, log_m_half, EPS, HALF)
+    g = _load_rows(G + bh * N * DV, rows, N, tl.arange(0, BV), DV, DV, 1)
+    delta = tl.load(DELTA + bh * N + rows, mask=rows < N, other=0.0)
+    return phi, y, inverse, g, delta
+
+
+@triton.jit
 def nprf_key_states_kernel(
     K, V, W, MASK, ROOT, S, Z,
     stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, stride_mb,
@@ -79,17 +136,11 @@ def nprf_key_states_kernel(
     block, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     rows = block * BT + tl.arange(0, BT)
-    cols_d, cols_v, feats = tl.arange(0, BD), tl.arange(0, BV), tl.arange(0, BM)
-    w = tl.load(W + W_PER_HEAD * h * M * D + feats[:, None] * D + cols_d[None, :],
-                mask=(feats[:, None] < M) & (cols_d[None, :] < D), other=0.0).to(tl.float32)
-    root = tl.load(ROOT + h)
-    k = _load_rows(K + b * stride_kb + h * stride_kh, rows, N, cols_d, D, stride_kn, stride_kd)
-    keep = rows < N
-    if HAS_MASK:
-        keep = keep & (tl.load(MASK + b * stride_mb + rows, mask=rows < N, other=0) != 0)
-    phi, _, _ = _features(k, w, root, M, log_m_half, EPS, HALF)
-    phi = tl.where(keep[:, None], phi, 0.0)
-    v = _load_rows(V + b * stride_vb + h * stride_vh, rows, N, cols_v, DV, stride_vn, stride_vd)
+    cols_v, feats = tl.arange(0, BV), tl.arange(0, BM)
+    w, root = _projection(W, ROOT, h, M, D, W_PER_HEAD, BM, BD)
+    phi, _, _, v, _ = _key_block(K, V, MASK, b, h, rows, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb,
+                                 stride_vh, stride_vn, stride_vd, stride_mb, w, root, N, D, DV, M, log_m_half,
+                                 HAS_MASK, EPS, HALF, BD, BV)
     state = _dot(tl.trans(phi), v, HALF)
     offset = (bh * NC + block) * BM
     tl.store(S + (offset + feats[:, None]) * BV + cols_v[None, :], state)
@@ -110,9 +161,7 @@ def nprf_forward_kernel(
     b, h = bh // H, bh % H
     rows_q = block * BT + tl.arange(0, BT)
     cols_d, cols_v, feats = tl.arange(0, BD), tl.arange(0, BV), tl.arange(0, BM)
-    w = tl.load(W + W_PER_HEAD * h * M * D + feats[:, None] * D + cols_d[None, :],
-                mask=(feats[:, None] < M) & (cols_d[None, :] < D), other=0.0).to(tl.float32)
-    root = tl.load(ROOT + h)
+    w, root = _projection(W, ROOT, h, M, D, W_PER_HEAD, BM, BD)
     q = _load_rows(Q + b * stride_qb + h * stride_qh, rows_q, N, cols_d, D, stride_qn, stride_qd)
     phi_q, _, _ = _features(q, w, root, M, log_m_half, EPS, HALF)
     c_row = C + h * (2 * N - 1)
@@ -130,19 +179,10 @@ def nprf_forward_kernel(
         after_sum = tl.load(sums + NC * BM) - tl.load(sums + (hi + 1) * BM)
         numerator += c_after * _dot(phi_q, after, HALF)
         denominator += c_after * tl.sum(phi_q * after_sum[None, :], axis=1)
-    mask_row = MASK + b * stride_mb
     for key_block in range(lo, hi + 1):
-        rows_k = key_block * BT + tl.arange(0, BT)
-        k = _load_rows(K + b * stride_kb + h * stride_kh, rows_k, N, cols_d, D, stride_kn, stride_kd)
-        phi_k, _, _ = _features(k, w, root, M, log_m_half, EPS, HALF)
-        v = _load_rows(V + b * stride_vb + h * stride_vh, rows_k, N, cols_v, DV, stride_vn, stride_vd)
-        relative = rows_k[None, :] - rows_q[:, None]
-        valid = (rows_q[:, None] < N) & (rows_k[None, :] < N)
-        if HAS_MASK:
-            valid = valid & (tl.load(mask_row + rows_k, mask=rows_k < N, other=0) != 0)[None, :]
-        if CAUSAL:
-            valid = valid & (relative <= 0)
-        c = tl.load(c_row + relative + N - 1, mask=valid, other=0.0)
+        phi_k, v, c, relative, valid = _band_tile(
+            K, V, C, MASK, b, h, rows_q, key_block, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh,
+            stride_vn, stride_vd, stride_mb, w, root, N, D, DV, M, log_m_half, CAUSAL, HAS_MASK, EPS, HALF, BT, BD, BV)
         weights = _dot(phi_q, tl.trans(phi_k), HALF) * c
         numerator += _dot(weights, v, HALF)
         denominator += tl.sum(weights, axis=1)
@@ -166,14 +206,10 @@ def nprf_query_states_kernel(
     block, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     rows = block * BT + tl.arange(0, BT)
-    cols_d, cols_v, feats = tl.arange(0, BD), tl.arange(0, BV), tl.arange(0, BM)
-    w = tl.load(W + W_PER_HEAD * h * M * D + feats[:, None] * D + cols_d[None, :],
-                mask=(feats[:, None] < M) & (cols_d[None, :] < D), other=0.0).to(tl.float32)
-    root = tl.load(ROOT + h)
-    q = _load_rows(Q + b * stride_qb + h * stride_qh, rows, N, cols_d, D, stride_qn, stride_qd)
-    phi, _, _ = _features(q, w, root, M, log_m_half, EPS, HALF)
-    g = _load_rows(G + bh * N * DV, rows, N, cols_v, DV, DV, 1)
-    delta = tl.load(DELTA + bh * N + rows, mask=rows < N, other=0.0)
+    cols_v, feats = tl.arange(0, BV), tl.arange(0, BM)
+    w, root = _projection(W, ROOT, h, M, D, W_PER_HEAD, BM, BD)
+    phi, _, _, g, delta = _query_block(Q, G, DELTA, b, h, bh, rows, stride_qb, stride_qh, stride_qn, stride_qd, w, root,
+                                       N, D, DV, M, log_m_half, EPS, HALF, BD, BV)
     offset = (bh * NC + block) * BM
     tl.store(S + (offset + feats[:, None]) * BV + cols_v[None, :], _dot(tl.trans(phi), g, HALF))
     tl.store(Z + offset + feats, tl.sum(phi * delta[:, None], axis=0))
@@ -194,13 +230,9 @@ def nprf_query_grad_kernel(
     b, h = bh // H, bh % H
     rows_q = block * BT + tl.arange(0, BT)
     cols_d, cols_v, feats = tl.arange(0, BD), tl.arange(0, BV), tl.arange(0, BM)
-    w = tl.load(W + W_PER_HEAD * h * M * D + feats[:, None] * D + cols_d[None, :],
-                mask=(feats[:, None] < M) & (cols_d[None, :] < D), other=0.0).to(tl.float32)
-    root = tl.load(ROOT + h)
-    q = _load_rows(Q + b * stride_qb + h * stride_qh, rows_q, N, cols_d, D, stride_qn, stride_qd)
-    phi_q, y, inverse = _features(q, w, root, M, log_m_half, EPS, HALF)
-    g = _load_rows(G + bh * N * DV, rows_q, N, cols_v, DV, DV, 1)
-    delta = tl.load(DELTA + bh * N + rows_q, mask=rows_q < N, other=0.0)
+    w, root = _projection(W, ROOT, h, M, D, W_PER_HEAD, BM, BD)
+    phi_q, y, inverse, g, delta = _query_block(Q, G, DELTA, b, h, bh, rows_q, stride_qb, stride_qh, stride_qn,
+                                               stride_qd, w, root, N, D, DV, M, log_m_half, EPS, HALF, BD, BV)
     c_row = C + h * (2 * N - 1)
     dc_row = DC + h * (2 * N - 1)
     lo = tl.maximum(block - REACH, 0)
@@ -220,19 +252,10 @@ def nprf_query_grad_kernel(
         dphi += tl.load(c_row + 2 * N - 2) * far
         if NEED_DC:
             tl.atomic_add(dc_row + 2 * N - 2, tl.sum(tl.sum(phi_q * far, axis=1), axis=0))
-    mask_row = MASK + b * stride_mb
     for key_block in range(lo, hi + 1):
-        rows_k = key_block * BT + tl.arange(0, BT)
-        k = _load_rows(K + b * stride_kb + h * stride_kh, rows_k, N, cols_d, D, stride_kn, stride_kd)
-        phi_k, _, _ = _features(k, w, root, M, log_m_half, EPS, HALF)
-        v = _load_rows(V + b * stride_vb + h * stride_vh, rows_k, N, cols_v, DV, stride_vn, stride_vd)
-        relative = rows_k[None, :] - rows_q[:, None]
-        valid = (rows_q[:, None] < N) & (rows_k[None, :] < N)
-        if HAS_MASK:
-            valid = valid & (tl.load(mask_row + rows_k, mask=rows_k < N, other=0) != 0)[None, :]
-        if CAUSAL:
-            valid = valid & (relative <= 0)
-        c = tl.load(c_row + relative + N - 1, mask=valid, other=0.0)
+        phi_k, v, c, relative, valid = _band_tile(
+            K, V, C, MASK, b, h, rows_q, key_block, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh,
+            stride_vn, stride_vd, stride_mb, w, root, N, D, DV, M, log_m_half, CAUSAL, HAS_MASK, EPS, HALF, BT, BD, BV)
         d_weights = _dot(g, tl.trans(v), HALF) + delta[:, None]
         dphi += _dot(d_weights * c, phi_k, HALF)
         if NEED_DC:
@@ -258,16 +281,10 @@ def nprf_key_grad_kernel(
     b, h = bh // H, bh % H
     rows_k = block * BT + tl.arange(0, BT)
     cols_d, cols_v, feats = tl.arange(0, BD), tl.arange(0, BV), tl.arange(0, BM)
-    w = tl.load(W + W_PER_HEAD * h * M * D + feats[:, None] * D + cols_d[None, :],
-                mask=(feats[:, None] < M) & (cols_d[None, :] < D), other=0.0).to(tl.float32)
-    root = tl.load(ROOT + h)
-    k = _load_rows(K + b * stride_kb + h * stride_kh, rows_k, N, cols_d, D, stride_kn, stride_kd)
-    keep = rows_k < N
-    if HAS_MASK:
-        keep = keep & (tl.load(MASK + b * stride_mb + rows_k, mask=rows_k < N, other=0) != 0)
-    phi_k, y, inverse = _features(k, w, root, M, log_m_half, EPS, HALF)
-    phi_k = tl.where(keep[:, None], phi_k, 0.0)
-    v = _load_rows(V + b * stride_vb + h * stride_vh, rows_k, N, cols_v, DV, stride_vn, stride_vd)
+    w, root = _projection(W, ROOT, h, M, D, W_PER_HEAD, BM, BD)
+    phi_k, y, inverse, v, keep = _key_block(K, V, MASK, b, h, rows_k, stride_kb, stride_kh, stride_kn, stride_kd,
+                                            stride_vb, stride_vh, stride_vn, stride_vd, stride_mb, w, root, N, D, DV,
+                                            M, log_m_half, HAS_MASK, EPS, HALF, BD, BV)
     c_row = C + h * (2 * N - 1)
     lo = block if CAUSAL else tl.maximum(block - REACH, 0)
     hi = tl.minimum(block + REACH, NC - 1)
@@ -286,10 +303,8 @@ def nprf_key_grad_kernel(
         dphi += c_after * (_dot(v, tl.trans(before), HALF) + tl.load(sums + lo * BM)[None, :])
     for query_block in range(lo, hi + 1):
         rows_q = query_block * BT + tl.arange(0, BT)
-        q = _load_rows(Q + b * stride_qb + h * stride_qh, rows_q, N, cols_d, D, stride_qn, stride_qd)
-        phi_q, _, _ = _features(q, w, root, M, log_m_half, EPS, HALF)
-        g = _load_rows(G + bh * N * DV, rows_q, N, cols_v, DV, DV, 1)
-        delta = tl.load(DELTA + bh * N + rows_q, mask=rows_q < N, other=0.0)
+        phi_q, _, _, g, delta = _query_block(Q, G, DELTA, b, h, bh, rows_q, stride_qb, stride_qh, stride_qn,
+                                             stride_qd, w, root, N, D, DV, M, log_m_half, EPS, HALF, BD, BV)
         relative = rows_k[:, None] - rows_q[None, :]  # j - i, keys down the rows
         valid = keep[:, None] & (rows_q[None, :] < N)
         if CAUSAL:
@@ -305,3 +320,64 @@ def nprf_key_grad_kernel(
     tl.store(DV_OUT + (bh * N + rows_k[:, None]) * DV + cols_v[None, :], dv,
              mask=(rows_k[:, None] < N) & (cols_v[None, :] < DV))
     tl.atomic_add(DROOT + h, droot)
+
+
+@triton.jit
+def _row_features(x, w, root, m, log_m_half, EPS: tl.constexpr):
+    """`_features` of one row x [BD] (no dot: a decode step has one query and one key): phi [BM]."""
+    inverse = root / tl.maximum(tl.sqrt(tl.sum(x * x, axis=0)), EPS)
+    y = x * inverse
+    wy = tl.sum(w * y[None, :], axis=1)
+    features = tl.arange(0, w.shape[0])
+    return tl.where(features < m, tl.exp(wy - (0.5 * tl.sum(y * y, axis=0) + log_m_half)), 0.0)
+
+
+@triton.jit
+def nprf_decode_kernel(
+    Q, K, V, MASK, W, ROOT, C, S, RF, RV, O, S_OUT, RF_OUT, RV_OUT,
+    stride_qb, stride_qh, stride_qd, stride_kb, stride_kh, stride_kd, stride_vb, stride_vh, stride_vd,
+    H, D, DV, M, R, log_m_half,
+    HAS_MASK: tl.constexpr, W_PER_HEAD: tl.constexpr, EPS: tl.constexpr,
+    BD: tl.constexpr, BE: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr,
+):
+    """One decode step of one (sequence, head): the new query attends the window (the ring's R = W - 1 keys, oldest
+    first, then the new key) with c by distance, and the far state [S | z] with c_far = C[h, R + 1]; the window's
+    oldest key then joins the far state and the ring moves on by one. State [B, H, ...] contiguous fp32, values
+    with their ones column (E = DV + 1 <= BE); O [B, H, 1, DV]."""
+    bh = tl.program_id(0)
+    b, h = bh // H, bh % H
+    cols_d, cols_e, feats, rows = tl.arange(0, BD), tl.arange(0, BE), tl.arange(0, BM), tl.arange(0, BR)
+    w, root = _projection(W, ROOT, h, M, D, W_PER_HEAD, BM, BD)
+    q = tl.load(Q + b * stride_qb + h * stride_qh + cols_d * stride_qd, mask=cols_d < D, other=0.0).to(tl.float32)
+    k = tl.load(K + b * stride_kb + h * stride_kh + cols_d * stride_kd, mask=cols_d < D, other=0.0).to(tl.float32)
+    phi_q = _row_features(q, w, root, M, log_m_half, EPS)
+    phi_k = _row_features(k, w, root, M, log_m_half, EPS)
+    if HAS_MASK:
+        phi_k = phi_k * (tl.load(MASK + b) != 0).to(tl.float32)
+    v = tl.load(V + b * stride_vb + h * stride_vh + cols_e * stride_vd, mask=cols_e < DV, other=0.0).to(tl.float32)
+    u = tl.where(cols_e == DV, 1.0, v)
+    in_ring = rows[:, None] < R
+    window_f = tl.load(RF + (bh * R + rows[:, None]) * M + feats[None, :], mask=in_ring & (feats[None, :] < M), other=0.0)
+    window_v = tl.load(RV + (bh * R + rows[:, None]) * (DV + 1) + cols_e[None, :],
+                       mask=in_ring & (cols_e[None, :] < DV + 1), other=0.0)
+    new = rows[:, None] == R
+    window_f = tl.where(new, phi_k[None, :], window_f)
+    window_v = tl.where(new, u[None, :], window_v)
+    c = tl.load(C + h * (R + 2) + R - rows, mask=rows <= R, other=0.0)  # window row w is at distance R - w
+    weights = tl.sum(window_f * phi_q[None, :], axis=1) * c
+    state = tl.load(S + (bh * M + feats[:, None]) * (DV + 1) + cols_e[None, :],
+                    mask=(feats[:, None] < M) & (cols_e[None, :] < DV + 1), other=0.0)
+    sums = tl.sum(weights[:, None] * window_v, axis=0) + tl.load(C + h * (R + 2) + R + 1) * tl.sum(
+        phi_q[:, None] * state, axis=0)
+    denominator = tl.sum(tl.where(cols_e == DV, sums, 0.0), axis=0)
+    out = tl.where(denominator > 0, sums / tl.where(denominator > 0, denominator, 1.0), 0.0)
+    tl.store(O + bh * DV + cols_e, out.to(O.dtype.element_ty), mask=cols_e < DV)
+    # the oldest window key leaves the band for good: into [S | z]
+    oldest_f = tl.sum(tl.where(rows[:, None] == 0, window_f, 0.0), axis=0)
+    oldest_v = tl.sum(tl.where(rows[:, None] == 0, window_v, 0.0), axis=0)
+    tl.store(S_OUT + (bh * M + feats[:, None]) * (DV + 1) + cols_e[None, :], state + oldest_f[:, None] * oldest_v[None, :],
+             mask=(feats[:, None] < M) & (cols_e[None, :] < DV + 1))
+    moved = (rows[:, None] >= 1) & (rows[:, None] <= R)
+    tl.store(RF_OUT + (bh * R + rows[:, None] - 1) * M + feats[None, :], window_f, mask=moved & (feats[None, :] < M))
+    tl.store(RV_OUT + (bh * R + rows[:, None] - 1) * (DV + 1) + cols_e[None, :], window_v,
+             mask=moved & (cols_e[None, :] < DV + 1))

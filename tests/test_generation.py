@@ -9,7 +9,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from nprf_hf import NPRFRobertaConfig, NPRFRobertaForCausalLM
-from nprf_hf import cache_nprf, nprf_banded
+from nprf_hf import cache_nprf, nprf_banded, nprf_recurrent
 from nprf_hf.cache_nprf import (
     NPRFCache,
     NPRFStaticCache,
@@ -79,7 +79,7 @@ def dense_causal_reference(phi_q, phi_k, u, table, num_buckets=8, max_distance=1
 @pytest.mark.parametrize("prompt", [1, 5, W - 1, W, 30])
 @pytest.mark.parametrize("block", [1, 4, 128])
 def test_recurrent_attention_equals_the_dense_product(prompt, block, monkeypatch):
-    monkeypatch.setattr(cache_nprf, "DECODE_BLOCK", block)
+    monkeypatch.setattr(nprf_recurrent, "DECODE_BLOCK", block)
     generator = torch.Generator().manual_seed(prompt)
     batch, heads, n, m, d = 2, 3, 45, 6, 5
     phi_q, phi_k = torch.rand(2, batch, heads, n, m, generator=generator, dtype=torch.float64).unbind(0)
@@ -150,7 +150,7 @@ def test_exactness_check_can_fail(monkeypatch):
         bias[:, -1] += 1e-3
         return bias
 
-    monkeypatch.setattr(cache_nprf, "causal_distance_bias", wrong_far_bias)
+    monkeypatch.setattr(nprf_recurrent, "causal_distance_bias", wrong_far_bias)
     logits, _ = decode_logits(model, input_ids, mask, 30)
     assert (logits - full[:, 29:]).abs().max() > 1e-8
 

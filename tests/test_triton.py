@@ -215,3 +215,64 @@ def test_auto_falls_back_once_when_the_kernels_fail_on_the_device(monkeypatch, c
     assert len(said) == 1
     ref = naive_attention(q, k, v, bias, projection, mask)
     assert all(relative_error(out, ref) < 1e-5 for out in outs)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_the_decode_kernel_equals_the_recurrent_step(padded):
+    """One token against a random state (logit scale, per-head projection, a padded new token): the kernel's output
+    and new state equal `recurrent_attention`'s, and the old state is left as it was."""
+    from nprf_hf import nprf_recurrent
+    from nprf_hf.nprf_features import normalized_features, normalize_attention
+
+    generator = torch.Generator().manual_seed(21 + padded)
+    batch, heads, d, m, ring = 3, 2, 16, 20, 9
+    q, k, v = (torch.randn(batch, heads, 1, d, generator=generator) for _ in range(3))
+    projection = Fn.draw_projection(m, d, num_heads=heads, generator=generator)
+    scale = torch.rand(heads, generator=generator) + 0.5
+    state = [torch.rand(batch, heads, m, d + 1, generator=generator),
+             torch.rand(batch, heads, ring, m, generator=generator),
+             torch.rand(batch, heads, ring, d + 1, generator=generator)]
+    state[2][..., -1] = 1.0
+    before = [t.clone() for t in state]
+    c = torch.rand(heads, ring + 2, generator=generator)
+    new_mask = torch.tensor([[True], [not padded], [True]])
+    out, new_state = nprf_triton.triton_decode_step(q, k, v, new_mask, state, c, projection, scale)
+    phi_q, phi_k = (normalized_features(x, projection, scale) for x in (q, k))
+    phi_k = phi_k * new_mask[:, None, :, None]
+    u = torch.cat([v, torch.ones(batch, heads, 1, 1)], -1)
+    sums, *want = nprf_recurrent.recurrent_attention(phi_q, phi_k, u, *state, c)
+    assert relative_error(out, normalize_attention(sums[..., :-1], sums[..., -1:])) < 1e-5
+    for got, expected in zip(new_state, want):
+        assert relative_error(got, expected) < 1e-5
+    assert all(torch.equal(a, b) for a, b in zip(state, before))
+
+
+def test_generation_through_the_kernels():
+    """A tiny decoder with attention_algorithm="triton" (prefill and every decode step through the kernels) gives
+    the logits of the PyTorch path, step by step, on a left-padded batch."""
+    from nprf_hf import NPRFRobertaConfig, NPRFRobertaForCausalLM, nprf_recurrent
+    from nprf_hf.cache_nprf import NPRFCache
+
+    config = NPRFRobertaConfig(**tiny_nprf_config(num_hidden_layers=2, logit_scale_max=4.0), is_decoder=True)
+    torch.manual_seed(1)
+    model = NPRFRobertaForCausalLM(config).eval()
+    ids = torch.randint(3, 99, (2, 30))
+    mask = torch.ones(2, 30, dtype=torch.long)
+    mask[1, :4] = 0
+    steps = []
+    original = nprf_recurrent.triton_decode_step
+    for algorithm in ("banded", "triton"):
+        model.config.attention_algorithm = algorithm
+        calls = []
+        nprf_recurrent.triton_decode_step = lambda *a: calls.append(1) or original(*a)
+        try:
+            with torch.no_grad():
+                cache = NPRFCache(model.config)
+                logits = [model(ids[:, :20], attention_mask=mask[:, :20], past_key_values=cache).logits[:, -1]]
+                for t in range(20, 30):
+                    logits.append(model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache).logits[:, -1])
+        finally:
+            nprf_recurrent.triton_decode_step = original
+        steps.append((torch.stack(logits, 1), len(calls)))
+    assert steps[0][1] == 0 and steps[1][1] == 10 * 2  # ten steps, two layers: every step through the kernel
+    assert relative_error(steps[1][0], steps[0][0]) < 1e-5
