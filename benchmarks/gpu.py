@@ -39,10 +39,11 @@ PEAKS = {"H100": (989.0, 3.35), "H200": (989.0, 4.8), "A100": (312.0, 2.0)}
 FULL = dict(lengths=(1024, 2048, 4096, 8192, 16384, 32768, 65536), heads=12, head_dim=64, features=64,
             model_points=((32, 128), (8, 512), (1, 4096), (1, 16384)), decode_contexts=(512, 8192),
             decode_batches=(1, 16), layers=12, hidden=768, vocab=50265, repeats=10, decode_steps=32,
-            algorithm="auto")  # "auto" is the kernels on CUDA: what a user gets
+            algorithm="auto",  # "auto" is the kernels on CUDA: what a user gets
+            tiles=((32, 4), (64, 8), (128, 8)))  # besides the default (64 rows, 4 warps)
 TINY = dict(lengths=(40, 72), heads=2, head_dim=16, features=16, model_points=((2, 24), (1, 40)),
             decode_contexts=(16, 40), decode_batches=(1, 2), layers=1, hidden=32, vocab=99, repeats=2, decode_steps=3,
-            algorithm="triton")
+            algorithm="triton", tiles=((16, 4), (32, 4)))
 
 
 def synchronize(device):
@@ -91,6 +92,7 @@ def attention_flops(n, s, train):
 
 def attention_part(s, device, dtype, log):
     from nprf_hf import functional as Fn
+    from nprf_hf.nprf_triton import triton_attention
 
     rows = []
     heads, d, m = s["heads"], s["head_dim"], s["features"]
@@ -99,6 +101,8 @@ def attention_part(s, device, dtype, log):
     width = Fn.rpe_band_width()
     peak_tflops = next((v[0] for k, v in PEAKS.items() if k in device_name(device)), None)
     for n in s["lengths"]:
+        if past_budget(log, f"attention n={n}"):
+            break
         bias = Fn.relative_position_bias(table, n)
         q, k, v = (torch.randn(1, heads, n, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
         grad = torch.randn(1, heads, n, d, device=device, dtype=dtype)
@@ -115,13 +119,24 @@ def attention_part(s, device, dtype, log):
                 row[f"{name}_forward_s"] = median_time(fn, device, s["repeats"])
             row[f"{name}_train_s"] = median_time(lambda: fn().backward(grad), device, s["repeats"])
             row[f"{name}_train_peak_bytes"] = peak_bytes(lambda: fn().backward(grad), device)
+        # the other tiles (rows per block, warps), for the next choice of the default
+        row["tiles"] = {}
+        for block, warps in s["tiles"]:
+            def tiled():
+                return triton_attention(q, k, v, bias, projection, None, None, width, False, block, warps)
+
+            with torch.no_grad():
+                forward = median_time(tiled, device, s["repeats"])
+            row["tiles"][f"{block}x{warps}"] = {"forward_s": forward, "train_s": median_time(
+                lambda: tiled().backward(grad), device, s["repeats"])}
         for mode in ("forward", "train"):
             row[f"speedup_{mode}"] = row[f"sdpa_{mode}_s"] / row[f"nprf_{mode}_s"]
             row[f"nprf_{mode}_tflops"] = attention_flops(n, s, mode == "train") / row[f"nprf_{mode}_s"] / 1e12
             if peak_tflops:
                 row[f"nprf_{mode}_share_of_peak"] = row[f"nprf_{mode}_tflops"] / peak_tflops
         rows.append(row)
-        log(f"attention n={n}: forward NPRF {row['nprf_forward_s'] * 1e3:.2f} ms, SDPA {row['sdpa_forward_s'] * 1e3:.2f} ms "
+        best = min(row["tiles"].items(), key=lambda item: item[1]["train_s"], default=(None, None))[0]
+        log(f"attention n={n} (fastest other tile {best}): forward NPRF {row['nprf_forward_s'] * 1e3:.2f} ms, SDPA {row['sdpa_forward_s'] * 1e3:.2f} ms "
             f"({row['speedup_forward']:.2f}x); fwd+bwd {row['nprf_train_s'] * 1e3:.2f} / {row['sdpa_train_s'] * 1e3:.2f} ms "
             f"({row['speedup_train']:.2f}x); NPRF {row['nprf_train_tflops']:.1f} TFLOP/s")
     return rows
@@ -152,6 +167,8 @@ def model_part(s, device, dtype, log):
     models = dict(zip(("nprf", "sdpa"), build_models(s, device, dtype, longest)))
     rows = []
     for batch, n in s["model_points"]:
+        if past_budget(log, f"model {batch}x{n}"):
+            break
         ids = torch.randint(3, s["vocab"], (batch, n), device=device)
         row = {"batch": batch, "n": n}
         for name, model in models.items():
@@ -188,6 +205,8 @@ def decode_part(s, device, dtype, log):
     rows = []
     for batch in s["decode_batches"]:
         for context in s["decode_contexts"]:
+            if past_budget(log, f"decode batch {batch}, context {context}"):
+                break
             ids = torch.randint(3, s["vocab"], (batch, context), device=device)
             row = {"batch": batch, "context": context}
             for name, model in models.items():
@@ -207,6 +226,18 @@ def decode_part(s, device, dtype, log):
             log(f"decode batch {batch}, context {context}: NPRF {row['nprf_per_token_s'] * 1e3:.2f} ms/token, "
                 f"softmax {row['sdpa_per_token_s'] * 1e3:.2f} ({row['nprf_over_sdpa']:.2f}x)")
     return rows
+
+
+_deadline = [float("inf")]  # when the running part must stop starting new points (time.perf_counter)
+
+
+def past_budget(log, point):
+    """Whether the part's time is spent: its remaining points are skipped (and said so), so that the whole run fits
+    one device call whatever the kernels' speed."""
+    if time.perf_counter() < _deadline[0]:
+        return False
+    log(f"{point} and the rest of this part skipped: its time budget is spent")
+    return True
 
 
 def device_name(device):
@@ -240,6 +271,8 @@ def parse_args(argv=None):
     parser.add_argument("--tiny", action="store_true", help="toy sizes on the CPU through Triton's interpreter")
     parser.add_argument("--parts", nargs="+", default=["attention", "model", "decode"],
                         choices=["attention", "model", "decode"])
+    parser.add_argument("--budget-s", nargs=3, type=float, default=[210.0, 150.0, 90.0], metavar=("ATTN", "MODEL", "DECODE"),
+                        help="seconds each part may start new points for (the whole run fits one 10-minute device call)")
     return parser.parse_args(argv)
 
 
@@ -268,12 +301,14 @@ def main(argv=None):
         print(f"[{time.perf_counter() - started:6.1f} s] {line}", flush=True)
 
     parts = {"attention": attention_part, "model": model_part, "decode": decode_part}
-    for part in args.parts:
-        results[part] = parts[part](sizes, device, dtype, log)
-    results["total_s"] = time.perf_counter() - started
+    budgets = dict(zip(parts, args.budget_s))
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output, "w") as handle:
-        json.dump(results, handle, indent=1)
+    for part in args.parts:
+        _deadline[0] = time.perf_counter() + budgets[part]
+        results[part] = parts[part](sizes, device, dtype, log)
+        results["total_s"] = time.perf_counter() - started
+        with open(args.output, "w") as handle:  # after every part: a run cut short keeps what it measured
+            json.dump(results, handle, indent=1)
     if "attention" in results:
         plot(results, os.path.splitext(args.output)[0] + ".png")
     log(f"wrote {args.output}")

@@ -21,8 +21,10 @@ from .nprf_features import NORM_EPS
 logger = logging.getLogger(__name__)
 
 # Rows per block (queries and keys alike): the band is REACH = ceil((W - 1) / BLOCK) key blocks on either side
-# of a query block. 64 is flash attention's usual tile for d = 64 (not measured here yet: no GPU was at hand).
+# of a query block. 64 rows and 4 warps: flash attention's usual tile for d = 64 (not measured here yet: no GPU
+# was at hand; benchmarks/gpu.py times the alternatives).
 BLOCK = 64
+NUM_WARPS = 4
 _told = set()  # the fallback reasons already logged
 _disabled = []  # why the kernels failed in this process, if they did
 
@@ -80,7 +82,7 @@ def log_fallback_once(reason):
 
 
 def triton_attention(query, key, value, rpe_bias, projection, key_padding_mask, logit_scale, band_width, causal,
-                     block=BLOCK):
+                     block=BLOCK, num_warps=NUM_WARPS):
     """`nprf_attention` through the kernels: query, key [B, H, n, d], value [B, H, n, d_v], rpe_bias [H, 2n - 1]
     (unmasked; tied beyond `band_width`), projection [m, d] or [H, m, d], key_padding_mask [B, n] or None,
     logit_scale [H] or None. Returns [B, H, n, d_v] in value's dtype."""
@@ -93,7 +95,8 @@ def triton_attention(query, key, value, rpe_bias, projection, key_padding_mask, 
     else:
         root = logit_scale.float().sqrt()
     reach = -(-(min(band_width, n) - 1) // block)
-    return _TritonProduct.apply(query, key, value, c, root, projection, key_padding_mask, causal, reach, block)
+    return _TritonProduct.apply(query, key, value, c, root, projection, key_padding_mask, causal, reach,
+                                (block, num_warps))
 
 
 def _sizes(query, value, projection, block):
@@ -130,10 +133,11 @@ class _TritonProduct(torch.autograd.Function):
     """z = NPRF attention of (q, k, v) with Toeplitz coefficients c [H, 2n - 1] and feature scale root [H]."""
 
     @staticmethod
-    def forward(ctx, query, key, value, c, root, projection, key_padding_mask, causal, reach, block):
+    def forward(ctx, query, key, value, c, root, projection, key_padding_mask, causal, reach, tile):
         # (`from .x import`, the form transformers follows to copy a remote-code file's siblings)
         from .nprf_triton_kernels import nprf_forward_kernel, nprf_key_states_kernel
 
+        block, num_warps = tile
         s = _sizes(query, value, projection, block)
         half = _dot_precision(query)
         projection = projection.detach().float().contiguous()
@@ -143,7 +147,7 @@ class _TritonProduct(torch.autograd.Function):
         states = query.new_empty(bh, nc, s["BM"], s["BV"], dtype=torch.float32)
         sums = query.new_empty(bh, nc, s["BM"], dtype=torch.float32)
         common = dict(W_PER_HEAD=int(projection.dim() == 3), EPS=NORM_EPS, HALF=half, BT=block, BD=s["BD"],
-                      BV=s["BV"], BM=s["BM"])
+                      BV=s["BV"], BM=s["BM"], num_warps=num_warps)
         sizes = (s["heads"], s["n"], s["d"], s["dv"], s["m"], nc)
         log_m_half = 0.5 * math.log(s["m"])
         grid = (nc, bh)
@@ -160,7 +164,7 @@ class _TritonProduct(torch.autograd.Function):
             CAUSAL=causal, HAS_MASK=has_mask, **common,
         )
         ctx.save_for_backward(query, key, value, c, root, projection, mask, prefix, prefix_sums, out, denominator)
-        ctx.settings = (causal, reach, block, has_mask, stride_mb)
+        ctx.settings = (causal, reach, tile, has_mask, stride_mb)
         return out
 
     @staticmethod
@@ -168,7 +172,7 @@ class _TritonProduct(torch.autograd.Function):
         from .nprf_triton_kernels import nprf_key_grad_kernel, nprf_query_grad_kernel, nprf_query_states_kernel
 
         query, key, value, c, root, projection, mask, prefix, prefix_sums, out, denominator = ctx.saved_tensors
-        causal, reach, block, has_mask, stride_mb = ctx.settings
+        causal, reach, (block, num_warps), has_mask, stride_mb = ctx.settings
         s = _sizes(query, value, projection, block)
         half = _dot_precision(query)
         bh, nc = s["batch"] * s["heads"], s["blocks"]
@@ -178,7 +182,7 @@ class _TritonProduct(torch.autograd.Function):
         delta = -(g * out.float()).sum(-1)
         g, delta = g.contiguous(), delta.contiguous()
         common = dict(W_PER_HEAD=int(projection.dim() == 3), EPS=NORM_EPS, HALF=half, BT=block, BD=s["BD"],
-                      BV=s["BV"], BM=s["BM"])
+                      BV=s["BV"], BM=s["BM"], num_warps=num_warps)
         sizes = (s["heads"], s["n"], s["d"], s["dv"], s["m"], nc)
         log_m_half = 0.5 * math.log(s["m"])
         grid = (nc, bh)

@@ -166,7 +166,9 @@ def nprf_forward_kernel(
     phi_q, _, _ = _features(q, w, root, M, log_m_half, EPS, HALF)
     c_row = C + h * (2 * N - 1)
     lo = tl.maximum(block - REACH, 0)
-    hi = block if CAUSAL else tl.minimum(block + REACH, NC - 1)
+    hi = tl.minimum(block + REACH, NC - 1)
+    if CAUSAL:  # (a statement, not a conditional expression: the form every Triton version compiles)
+        hi = block
     states = P + bh * (NC + 1) * BM * BV + feats[:, None] * BV + cols_v[None, :]
     sums = PZ + bh * (NC + 1) * BM + feats
     # far keys before the band: the prefix of the blocks before `lo`, weight c_{-(n-1)}
@@ -236,7 +238,9 @@ def nprf_query_grad_kernel(
     c_row = C + h * (2 * N - 1)
     dc_row = DC + h * (2 * N - 1)
     lo = tl.maximum(block - REACH, 0)
-    hi = block if CAUSAL else tl.minimum(block + REACH, NC - 1)
+    hi = tl.minimum(block + REACH, NC - 1)
+    if CAUSAL:
+        hi = block
     states = P + bh * (NC + 1) * BM * BV + feats[:, None] * BV + cols_v[None, :]
     sums = PZ + bh * (NC + 1) * BM + feats
     # far: dphi_q = c (S g + Z delta), and dc = sum_i phi_q . (S g + Z delta)
@@ -286,7 +290,9 @@ def nprf_key_grad_kernel(
                                             stride_vb, stride_vh, stride_vn, stride_vd, stride_mb, w, root, N, D, DV,
                                             M, log_m_half, HAS_MASK, EPS, HALF, BD, BV)
     c_row = C + h * (2 * N - 1)
-    lo = block if CAUSAL else tl.maximum(block - REACH, 0)
+    lo = tl.maximum(block - REACH, 0)
+    if CAUSAL:
+        lo = block
     hi = tl.minimum(block + REACH, NC - 1)
     states = QP + bh * (NC + 1) * BM * BV + feats[:, None] * BV + cols_v[None, :]
     sums = QPZ + bh * (NC + 1) * BM + feats
