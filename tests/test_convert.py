@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from conftest import minilm_path, tiny_config
+from conftest import minilm_path, shared_data, tiny_config
 from safetensors import safe_open
 from transformers import (
     AutoModel,
@@ -39,7 +39,6 @@ from nprf_hf.convert import (
 from nprf_hf.functional import t5_relative_position_bucket
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WIKITEXT = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "wikitext-2", "valid.txt")
 
 
 def _read_safetensors(path):
@@ -50,8 +49,9 @@ def _read_safetensors(path):
 @pytest.fixture(scope="module")
 def calibration_file(tmp_path_factory):
     """A few hundred lines of real text (WikiText-2 valid)."""
+    wikitext = shared_data("wikitext-2", "valid.txt")
     path = tmp_path_factory.mktemp("text") / "calibration.txt"
-    with open(WIKITEXT, encoding="utf-8") as handle:
+    with open(wikitext, encoding="utf-8") as handle:
         lines = [next(handle) for _ in range(300)]
     path.write_text("".join(lines), encoding="utf-8")
     return str(path)
@@ -198,7 +198,7 @@ def test_calibrated_rpe_moves_nprf_attention_towards_source(calibration_file):
 
     source = BertModel.from_pretrained(minilm_path())
     tokenizer = AutoTokenizer.from_pretrained(minilm_path())
-    with open(WIKITEXT, encoding="utf-8") as handle:
+    with open(shared_data("wikitext-2", "valid.txt"), encoding="utf-8") as handle:
         text = " ".join(line.strip() for _, line in zip(range(700), handle) if line.strip())[-4000:]
     ids = tokenizer(text, add_special_tokens=False)["input_ids"][:126]
     input_ids = torch.tensor([[tokenizer.cls_token_id] + ids + [tokenizer.sep_token_id]])
@@ -246,7 +246,7 @@ def test_roberta_converts_with_position_extension(roberta_source, tmp_path):
     model = AutoModelForMaskedLM.from_pretrained(out)
     assert isinstance(model, NPRFRobertaForMaskedLM)
     assert model.roberta.embeddings.position_ids.shape[-1] == 2050
-    text = open(WIKITEXT, encoding="utf-8").read()[:40000]
+    text = open(shared_data("wikitext-2", "valid.txt"), encoding="utf-8").read()[:40000]
     batch = tokenizer(text, truncation=True, max_length=2048, return_tensors="pt")
     assert batch["input_ids"].shape[1] == 2048
     with torch.no_grad():

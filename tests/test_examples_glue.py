@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import minilm_path, tiny_config
+from conftest import minilm_path, needs_shared_data, shared_data_path, tiny_config
 from safetensors.torch import load_file
 from transformers import (
     AutoModelForSequenceClassification,
@@ -26,10 +26,10 @@ from nprf_hf import glue
 from nprf_hf.checkpoint_files import remote_code_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DATA = os.path.join(ROOT, "..", "shared", "data", "glue")
+DATA = shared_data_path("glue")
 RUN_GLUE = os.path.join(ROOT, "examples", "run_glue.py")
 RUN_GLUE_NO_TRAINER = os.path.join(ROOT, "examples", "run_glue_no_trainer.py")
-needs_data = pytest.mark.skipif(not os.path.isdir(DATA), reason="shared GLUE data not present")
+needs_data = needs_shared_data("glue")
 
 
 def load_script(path):

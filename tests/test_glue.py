@@ -13,9 +13,11 @@ from sklearn.metrics import f1_score, matthews_corrcoef
 
 from nprf_hf import glue
 
+from conftest import needs_shared_data, shared_data_path
 
-DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "glue")
-needs_data = pytest.mark.skipif(not os.path.isdir(DATA), reason="shared GLUE data not present")
+
+DATA = shared_data_path("glue")
+needs_data = needs_shared_data("glue")
 
 
 def raw_lines(path):

@@ -25,11 +25,10 @@ from nprf_hf.long_context import (
     windows,
 )
 
-from conftest import minilm_path, tiny_config
+from conftest import minilm_path, shared_data, tiny_config
 
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
-WIKITEXT = os.path.join(ROOT, "..", "shared", "data", "wikitext-2")
 
 
 def _load(path, name):
@@ -43,6 +42,7 @@ def _load(path, name):
 def tiny(tmp_path_factory):
     """A tiny softmax BERT with 64 positions (MiniLM's tokenizer and sentence-transformers files), its NPRF
     conversion with 300 positions, and a small WikiText file of a few articles."""
+    wikitext = shared_data("wikitext-2", "valid.txt")
     root = tmp_path_factory.mktemp("long")
     tokenizer = AutoTokenizer.from_pretrained(minilm_path())
     config = BertConfig(**tiny_config(vocab_size=len(tokenizer), num_attention_heads=4, intermediate_size=64))
@@ -61,7 +61,7 @@ def tiny(tmp_path_factory):
         json.dump(pooling, dst)
     nprf_dir = str(root / "nprf")
     convert_checkpoint(softmax_dir, nprf_dir, num_random_features=16, max_position_embeddings=300)
-    with open(os.path.join(WIKITEXT, "valid.txt"), encoding="utf-8") as handle:
+    with open(wikitext, encoding="utf-8") as handle:
         lines = handle.readlines()[:400]
     text = root / "long.txt"
     text.write_text("".join(lines), encoding="utf-8")

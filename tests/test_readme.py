@@ -15,14 +15,11 @@ import subprocess
 import sys
 import time
 
-import pytest
-
-from conftest import minilm_path
+from conftest import minilm_path, shared_data
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
-WIKITEXT = os.path.join(ROOT, "..", "shared", "data", "wikitext-2", "valid.txt")
 MARKS = ("needs: network", "runs: ci")
 LANGUAGES = ("python", "bash")
 BLOCK = re.compile(r"(?:<!-- (?P<mark>[^>]*?) -->\n)?^```(?P<lang>[^\n`]*)\n(?P<code>.*?)^```$", re.S | re.M)
@@ -89,9 +86,7 @@ def _anchors(markdown):
 
 def test_readme_code_blocks_run(tmp_path, roberta_source):
     minilm = minilm_path()
-    if not os.path.isfile(WIKITEXT):
-        pytest.skip("shared WikiText-2 data not present")
-    with open(WIKITEXT, encoding="utf-8") as handle:
+    with open(shared_data("wikitext-2", "valid.txt"), encoding="utf-8") as handle:
         lines = [next(handle) for _ in range(440)]
     (tmp_path / "train.txt").write_text("".join(lines[:400]), encoding="utf-8")
     (tmp_path / "valid.txt").write_text("".join(lines[400:]), encoding="utf-8")

@@ -13,9 +13,10 @@ import torch
 import nprf_hf  # noqa: F401
 from nprf_hf.options import ATTENTION_VARIANTS
 
+from conftest import shared_data
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WIKITEXT = os.path.join(ROOT, "..", "shared", "data", "wikitext-2")
 TINY = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64,
         "max_position_embeddings": 40}
 
@@ -42,7 +43,7 @@ def fresh_accelerator_state():
 def data(tmp_path_factory, roberta_source):
     """(tokenizer dir, train file, validation file): real WikiText-2 lines, a small BPE tokenizer."""
     folder = tmp_path_factory.mktemp("clm_data")
-    with open(os.path.join(WIKITEXT, "valid.txt"), encoding="utf-8") as handle:
+    with open(shared_data("wikitext-2", "valid.txt"), encoding="utf-8") as handle:
         lines = [next(handle) for _ in range(300)]
     (folder / "train.txt").write_text("".join(lines[:250]), encoding="utf-8")
     (folder / "valid.txt").write_text("".join(lines[250:]), encoding="utf-8")

@@ -15,11 +15,10 @@ from transformers import AutoModelForMaskedLM, AutoTokenizer, BertConfig, BertFo
 from nprf_hf import NPRFBertForMaskedLM
 from nprf_hf.convert import convert_checkpoint
 
-from conftest import minilm_path, tiny_config
+from conftest import minilm_path, shared_data, tiny_config
 
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
-WIKITEXT = os.path.join(ROOT, "..", "shared", "data", "wikitext-2")
 
 
 def _load_script():
@@ -35,6 +34,7 @@ run_mlm = _load_script()
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     """Tiny softmax BERT MLM (MiniLM's tokenizer), its NPRF conversion, and small text files."""
+    wikitext = shared_data("wikitext-2", "valid.txt")
     root = tmp_path_factory.mktemp("mlm")
     tokenizer = AutoTokenizer.from_pretrained(minilm_path())
     config = BertConfig(**tiny_config(vocab_size=len(tokenizer), num_attention_heads=4, intermediate_size=64))
@@ -45,7 +45,7 @@ def workdir(tmp_path_factory):
     nprf_dir = str(root / "nprf")
     convert_checkpoint(softmax_dir, nprf_dir, num_random_features=16)
     for name, start, count in (("train.txt", 0, 120), ("eval.txt", 200, 60)):
-        with open(os.path.join(WIKITEXT, "valid.txt"), encoding="utf-8") as handle:
+        with open(wikitext, encoding="utf-8") as handle:
             lines = handle.readlines()[start : start + count]
         (root / name).write_text("".join(lines), encoding="utf-8")
     return root, softmax_dir, nprf_dir

@@ -8,9 +8,10 @@ import os
 
 import pytest
 
+from conftest import shared_data
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WIKITEXT = os.path.join(ROOT, "..", "shared", "data", "wikitext-2")
 
 
 @pytest.fixture(scope="module")
@@ -22,10 +23,8 @@ def study():
 
 
 def test_study_runs_every_part_and_resumes(study, tmp_path):
-    if not os.path.isdir(WIKITEXT):
-        pytest.skip("shared WikiText-2 not present")
     for name, lines in (("train.txt", 200), ("test.txt", 60)):
-        with open(os.path.join(WIKITEXT, "valid.txt" if name == "train.txt" else "test.txt"), encoding="utf-8") as f:
+        with open(shared_data("wikitext-2", "valid.txt" if name == "train.txt" else "test.txt"), encoding="utf-8") as f:
             (tmp_path / name).write_text("".join(next(f) for _ in range(lines)), encoding="utf-8")
     argv = ["--size", "tiny", "--parts", "a", "b", "c", "d", "--arms", "softmax", "normalized", "--seeds", "0",
             "--steps", "3", "--vocab-size", "300", "--train-file", str(tmp_path / "train.txt"),

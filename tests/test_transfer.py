@@ -14,12 +14,11 @@ import nprf_hf
 from nprf_hf import transfer
 from nprf_hf.cli import main as cli_main
 
-from conftest import tiny_config
+from conftest import needs_shared_data, shared_data_path, tiny_config
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WIKITEXT = os.path.join(ROOT, "..", "shared", "data", "wikitext-2", "valid.txt")
-GLUE = os.path.join(ROOT, "..", "shared", "data", "glue")
+GLUE = shared_data_path("glue")
 TEXTS = [
     "the cat sat on the mat and looked at the dog",
     "a short one",
@@ -205,7 +204,7 @@ def test_bad_inputs_are_refused(tokenizer):
         nprf_hf.read_transfer_texts("/no/such/file.txt")
 
 
-@pytest.mark.skipif(not os.path.isdir(GLUE), reason="shared GLUE data not present")
+@needs_shared_data("glue")
 def test_read_transfer_texts_from_a_glue_task_folder_and_a_text_file(tmp_path):
     pairs = nprf_hf.read_transfer_texts(os.path.join(GLUE, "MRPC"))
     assert len(pairs) == 3667 and all(isinstance(p, tuple) and len(p) == 2 for p in pairs[:5])
@@ -268,7 +267,7 @@ def test_cli_convert_trains_on_the_device_given_and_refuses_bad_devices(tokenize
         nprf_hf.convert_to_nprf(teacher, tokenizer=tokenizer, device="cpu")
 
 
-@pytest.mark.skipif(not os.path.isdir(GLUE), reason="shared GLUE data not present")
+@needs_shared_data("glue")
 @pytest.mark.parametrize("script", ["run_glue", "run_glue_no_trainer"])
 def test_glue_scripts_run_attention_transfer_before_fine_tuning(tokenizer, tmp_path, script):
     from test_examples_glue import load_script
