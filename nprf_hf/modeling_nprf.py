@@ -63,6 +63,7 @@ from .functional import (
     rpe_band_width,
 )
 from .nprf_terms import ATTENTION_TERMS, AttentionTerms
+from .nprf_context_parallel import context_parallel_attention, context_parallel_group, shard_position_offset
 
 
 logger = logging.get_logger(__name__)
@@ -352,7 +353,18 @@ class NPRFSelfAttention(nn.Module):
                 )
 
         first = key_length - query_length  # rows of the current queries
-        if general_mask is None and output_attentions:
+        sharded = context_parallel_group()  # inside `context_parallel`: this rank holds a shard of the sequence
+        if sharded is not None:
+            if output_attentions or general_mask is not None or first:
+                raise ValueError("context_parallel takes padding masks only, without output_attentions or a cache")
+            # the bias of r = -W .. W (the ends stand for every farther distance): the shard's own may reach less far
+            band_bias = relative_position_bias(self.bucket_table(rpe_table), self.band_width + 1, self.bidirectional,
+                                               self.config.rpe_num_buckets, self.config.rpe_max_distance)
+            attn_output = context_parallel_attention(
+                query, key, value, band_bias, self.projection, self.band_width, key_padding_mask, self.is_causal,
+                self.config.attention_variant, terms, group=sharded,
+            )
+        elif general_mask is None and output_attentions:
             # The output is computed from the returned weights, so they are part of the graph (attribution
             # through `attentions[i].retain_grad()` works); dense, hence the length limit above.
             attn_weights = nprf_attention_weights(
@@ -405,6 +417,8 @@ class NPRFSelfAttention(nn.Module):
         query / key / value [B, H, Lq, d] of the new tokens -> [B, H, Lq, d]."""
         if not self.is_causal:
             raise ValueError("NPRFCache is for decoder self-attention (config.is_decoder=True)")
+        if context_parallel_group() is not None:  # the cache holds one process's whole sequence
+            raise ValueError("context_parallel: run decoders with use_cache=False (NPRFCache decodes on one process)")
         output_attentions = kwargs.get("output_attentions")
         if output_attentions or (output_attentions is None and getattr(self.config, "output_attentions", False)):
             raise ValueError(
@@ -473,6 +487,8 @@ class NPRFEmbeddings(nn.Module):
         """[B or 1, L] position of every token."""
         reference = input_ids if input_ids is not None else inputs_embeds
         device, length = reference.device, reference.shape[1]
+        # a shard of a sequence sharded over ranks (`context_parallel`) counts on from the shards before it
+        past_key_values_length = past_key_values_length + shard_position_offset(input_ids, length, self.padding_idx, device)
         # past_key_values_length: an int, or a 0-d tensor (NPRFStaticCache) added without reading it on the host
         if self.padding_idx is None:
             return (torch.arange(length, device=device) + past_key_values_length)[None]

@@ -14,7 +14,7 @@ LAYERS = {
     "declarations": ("options", "families", "checkpoint_files"),  # torch-free: the CLI reads them without torch
     "math": ("nprf_positions", "nprf_features", "nprf_dense", "nprf_fft", "nprf_banded", "nprf_banded_recompute",
              "nprf_terms", "nprf_naive", "nprf_triton", "nprf_triton_kernels", "nprf_dispatch", "functional",
-             "nprf_recurrent"),
+             "nprf_recurrent", "nprf_context_parallel"),
     "model": ("configuration_nprf", "cache_nprf", "modeling_nprf"),
     "tools": ("glue", "transfer", "long_context", "convert", "modelcard", "cli"),
 }

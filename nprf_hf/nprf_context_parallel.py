@@ -1,0 +1,268 @@
+# coding=utf-8
+"""Context parallelism: NPRF attention over a sequence sharded across the ranks of a process group, exact.
+
+Rank p holds the contiguous shard [lo, hi) of the N tokens (the ranks in order). T5's buckets make b_r constant for
+|r| >= W (`nprf_positions.rpe_band_width`), so for the queries of a shard
+
+    keys in [lo - (W - 1), hi + (W - 1))  (the shard and a halo of W - 1 keys each side): exact coefficients c_{j-i},
+        through the banded product of one process (`nprf_banded`) on that window;
+    keys before / after that window: c_far^- phi_q . S^- and c_far^+ phi_q . S^+, where S^-/+ are the sums
+        phi_k [v | 1]^T (m x (d_v + 1) per head) of those keys.
+
+One collective per layer brings both: an all-gather of every rank's shard sum phi_k^T [v | 1] and of its first and
+last W - 1 features and values (a halo wider than a neighbour's shard reads the shards beyond it). S^- is the
+gathered sums of the shards before this one minus the left halo's (counted exactly already), S^+ likewise;
+causal attention drops the keys after the query (no right halo, no S^+). The all-gather is differentiable, so the
+gradients summed over the ranks (as DDP and FSDP sum them) are one process's. Softmax's ring attention passes every
+shard's K and V around the ring instead: (P - 1) / P x N x d x 2 per head and rank, growing with N.
+
+`context_parallel()` makes the NPRF models use this (`modeling_nprf` reads `context_parallel_group()`).
+"""
+
+import bisect
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from .nprf_banded import banded_toeplitz_attention
+from .nprf_features import compute_dtype, normalize_attention, query_key_features, values_and_ones
+from .nprf_positions import masked_bias
+
+
+# The process groups of the active `context_parallel` blocks, innermost last. A plain list, not a ContextVar:
+# torch.compile traces a read of it (fullgraph), and guards on it.
+_GROUPS = []
+# The variants whose kernel factors into features (the quadratic ones build n x n weights: nothing to shard).
+FEATURE_VARIANTS = ("nprf", "prf", "elu_linear")
+
+
+@contextlib.contextmanager
+def context_parallel(group=None):
+    """NPRF self-attention over a sequence sharded across the ranks of `group` (None: the default process group)
+    while the block is active.
+
+    Each rank passes its contiguous shard of every sequence (`input_ids[:, lo:hi]`, the ranks in order; equal
+    shards except the last, or any lengths >= 1) and gets its shard of the one-process outputs: position ids and
+    the relative position bias follow global positions. Gradients summed over the ranks equal one process's. A
+    decoder runs with `use_cache=False`; with gradient checkpointing, call backward inside the block (the
+    recomputed layers must shard too). Attention weights (`output_attentions`), general 4D masks and the segment /
+    word-matching / first-key terms are not supported.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("context_parallel needs torch.distributed initialized (dist.init_process_group)")
+    _GROUPS.append(dist.group.WORLD if group is None else group)
+    try:
+        yield
+    finally:
+        _GROUPS.pop()
+
+
+def context_parallel_group():
+    """The process group of the active `context_parallel` block, or None outside one."""
+    return _GROUPS[-1] if _GROUPS else None
+
+
+class _AllGather(torch.autograd.Function):
+    """[P, ...]: every rank's `tensor`, in rank order. Backward sums every rank's gradient of this rank's slice
+    (a reduce-scatter on NCCL; gloo has none, so an all-reduce there)."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        out = tensor.new_empty(dist.get_world_size(group), *tensor.shape)
+        dist.all_gather(list(out.unbind(0)), tensor.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        if dist.get_backend(ctx.group) == "nccl":
+            mine = grad.new_empty(grad.shape[1:])
+            dist.reduce_scatter_tensor(mine, grad, group=ctx.group)
+            return mine, None
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[dist.get_rank(ctx.group)], None
+
+
+def all_gather(tensor, group=None):
+    """Differentiable all-gather: [P, *tensor.shape]."""
+    return _AllGather.apply(tensor, dist.group.WORLD if group is None else group)
+
+
+def shard_lengths(n, device, group=None):
+    """[n_0, ..., n_{P-1}]: every rank's shard length (host ints; one small all-gather)."""
+    group = dist.group.WORLD if group is None else group
+    lengths = torch.zeros(dist.get_world_size(group), 1, dtype=torch.long, device=device)
+    dist.all_gather(list(lengths.unbind(0)), torch.tensor([n], dtype=torch.long, device=device), group=group)
+    return lengths[:, 0].tolist()
+
+
+def shard_position_offset(input_ids, length, padding_idx, device):
+    """What this rank's position ids start from, added to `past_key_values_length`: 0 outside `context_parallel`;
+    else the number of tokens in the shards before it, or with `padding_idx` (RoBERTa's positions count the real
+    tokens) and input ids, [B, 1] counts of their real tokens per sequence."""
+    group = context_parallel_group()
+    if group is None:
+        return 0
+    if padding_idx is None or input_ids is None:
+        return sum(shard_lengths(length, device, group)[: dist.get_rank(group)])
+    counts = input_ids.ne(padding_idx).sum(1)  # [B]
+    gathered = counts.new_empty(dist.get_world_size(group), *counts.shape)
+    dist.all_gather(list(gathered.unbind(0)), counts.contiguous(), group=group)
+    return gathered[: dist.get_rank(group)].sum(0)[:, None]
+
+
+def band_bias(rpe_bias, band_width, total_length):
+    """[H, 2W + 1]: b_r for r = -W .. W, from a bias [H, 2K - 1] (entry r + K - 1 holds b_r) tied beyond W; the
+    ends (r = +-W) stand for every farther distance. A bias shorter than the band (K <= W) covers a sequence of
+    at most K tokens only."""
+    reach = (rpe_bias.shape[-1] + 1) // 2  # K
+    if reach <= band_width and total_length > reach:
+        raise ValueError(
+            f"rpe_bias covers |r| <= {reach - 1}, but the sequence has {total_length} tokens and the band is "
+            f"{band_width} wide: pass the bias of at least band_width + 1 distances (relative_position_bias(table, "
+            "band_width + 1, ...))"
+        )
+    r = torch.arange(-band_width, band_width + 1, device=rpe_bias.device).clamp(-(reach - 1), reach - 1)
+    return rpe_bias[:, r + reach - 1]
+
+
+def halo_index(bounds, rank, halo, side):
+    """(owner ranks, rows) of the halo keys of `rank` on one side ("left": the `halo` keys before its shard,
+    "right": after it), clipped to the sequence: rows into the owners' last (left) or first (right) `halo` keys."""
+    lo, hi = bounds[rank]
+    total = bounds[-1][1]
+    positions = range(max(0, lo - halo), lo) if side == "left" else range(hi, min(total, hi + halo))
+    starts = [start for start, _ in bounds]
+    owners, rows = [], []
+    for g in positions:
+        q = bisect.bisect_right(starts, g) - 1
+        owners.append(q)
+        rows.append(g - (bounds[q][1] - halo) if side == "left" else g - bounds[q][0])
+    return owners, rows
+
+
+def _edge(x, halo, side):
+    """[B, H, halo, f]: the first (right: what a later rank's halo reads) or last (left) `halo` rows of x
+    [B, H, n, f], zero rows filling a shard shorter than the halo on the far side."""
+    n = x.shape[-2]
+    rows = x[:, :, n - min(halo, n):] if side == "left" else x[:, :, : min(halo, n)]
+    pad = x.new_zeros(*x.shape[:2], halo - rows.shape[-2], x.shape[-1])
+    return torch.cat([pad, rows] if side == "left" else [rows, pad], dim=-2)
+
+
+def context_parallel_attention(
+    query,
+    key,
+    value,
+    rpe_bias,
+    projection,
+    band_width,
+    key_padding_mask=None,
+    causal=False,
+    variant="nprf",
+    terms=None,
+    logit_scale=None,
+    group=None,
+):
+    """`functional.nprf_attention` of a sequence sharded across the ranks of `group`, for this rank's shard.
+
+    Args:
+        query, key: [B, H, n_p, d], value: [B, H, n_p, d_v]: this rank's contiguous shard (the ranks in order).
+        rpe_bias: [H, 2K - 1] (entry r + K - 1 holds b_r), constant beyond `band_width` (W); K >= W + 1, e.g.
+            `relative_position_bias(table, W + 1, ...)`, or the one-process bias [H, 2N - 1].
+        projection: [m, d] or [H, m, d]. key_padding_mask: [B, n_p] (True / 1 = keep) of this shard.
+        terms: None or an `nprf_terms.AttentionTerms` holding the logit scale only (or `logit_scale` [H]).
+        group: the process group (None: the default one).
+    Returns:
+        [B, H, n_p, d_v], this shard's rows of the one-process output.
+    """
+    group = dist.group.WORLD if group is None else group
+    if terms is not None:
+        for term in terms.terms:
+            if term.name != "logit_scale":
+                raise NotImplementedError(f"context-parallel attention does not support the {term.name} term yet")
+        logit_scale = terms.logit_scale if logit_scale is None else logit_scale
+    if variant not in FEATURE_VARIANTS:
+        raise NotImplementedError(f"context-parallel attention runs the feature variants {FEATURE_VARIANTS}, "
+                                  f"not {variant!r} (its n x n weights do not shard)")
+    if query.dim() != 4 or key.shape != query.shape or value.shape[:3] != query.shape[:3]:
+        raise ValueError(f"query, key and value must be [B, H, n, d], got {tuple(query.shape)}, {tuple(key.shape)} "
+                         f"and {tuple(value.shape)}")
+    lengths = shard_lengths(query.shape[-2], query.device, group)
+    if min(lengths) < 1:
+        raise ValueError(f"every rank needs at least one token of the sequence; shard lengths {lengths}")
+    ends = torch.tensor(lengths).cumsum(0).tolist()
+    bounds = [(end - n, end) for n, end in zip(lengths, ends)]
+    with torch.autocast(query.device.type, enabled=False):
+        bias = band_bias(rpe_bias, band_width, ends[-1])
+        out = sharded_attention(query, key, value, bias, projection, key_padding_mask, causal, variant, logit_scale,
+                                bounds, dist.get_rank(group), group)
+    return out.to(query.dtype)
+
+
+def sharded_attention(query, key, value, bias, projection, key_padding_mask, causal, variant, logit_scale, bounds,
+                      rank, group):
+    """`context_parallel_attention` once the shards are known: `bounds` [(lo, hi)] of every rank, `bias` [H, 2W + 1]
+    (b_r for r = -W .. W, the ends standing for every farther distance)."""
+    band_width = (bias.shape[-1] - 1) // 2
+    halo = band_width - 1
+    dtype = compute_dtype(query.dtype)
+    mask = None if key_padding_mask is None else key_padding_mask.to(device=query.device, dtype=dtype)
+    phi_q, phi_k = query_key_features(query, key, projection, mask, dtype, logit_scale, variant=variant)
+    value = value.to(dtype)
+    batch, heads, n, m = phi_q.shape
+    d = value.shape[-1]
+
+    # One all-gather: the shard's sum phi_k^T [v | 1] and its edge keys (last W - 1, and first W - 1 unless causal).
+    state = phi_k.transpose(-1, -2) @ values_and_ones(value)  # [B, H, m, e]
+    sides = ("left",) if causal else ("left", "right")
+    parts = [state] + [_edge(x, halo, side) for side in sides for x in (phi_k, value)]
+    gathered = all_gather(torch.cat([p.flatten() for p in parts]), group)  # [P, F]
+    pieces = gathered.split([p.numel() for p in parts], dim=1)
+    world = gathered.shape[0]
+    states = pieces[0].view(world, *state.shape)
+    halos = {}
+    for index, side in enumerate(sides):
+        edge_k = pieces[1 + 2 * index].view(world, batch, heads, halo, m)
+        edge_v = pieces[2 + 2 * index].view(world, batch, heads, halo, d)
+        owners, rows = halo_index(bounds, rank, halo, side)
+        owners, rows = (torch.tensor(x, dtype=torch.long, device=query.device) for x in (owners, rows))
+        halos[side] = tuple(e[owners, :, :, rows].permute(1, 2, 0, 3) for e in (edge_k, edge_v))  # [B, H, G, f]
+    empty_k, empty_v = phi_k.new_zeros(batch, heads, 0, m), value.new_zeros(batch, heads, 0, d)
+    left_k, left_v = halos["left"]
+    right_k, right_v = halos.get("right", (empty_k, empty_v))
+
+    # Near: the window [lo - (W - 1), hi + (W - 1)) with its exact coefficients (the halo rows' queries are zero).
+    before, after = left_k.shape[-2], right_k.shape[-2]
+    window = before + n + after
+    bias = masked_bias(bias.to(dtype), band_width + 1, causal)
+    c = torch.exp(bias - bias.amax(-1, keepdim=True).detach())  # [H, 2W + 1]; the far parts share its scale
+    r = torch.arange(-(window - 1), window, device=c.device).clamp(-band_width, band_width)
+    q_window = torch.cat([phi_q.new_zeros(batch, heads, before, m), phi_q, phi_q.new_zeros(batch, heads, after, m)], 2)
+    near = banded_toeplitz_attention(
+        q_window, torch.cat([left_k, phi_k, right_k], 2), torch.cat([left_v, value, right_v], 2),
+        c[:, r + band_width], max(band_width, 1), causal,
+    )[:, :, before : before + n]
+
+    # Far: the keys before (after) the window, the gathered shard sums less the halo's, which `near` counted.
+    far = (states[: rank].sum(0) - left_k.transpose(-1, -2) @ values_and_ones(left_v)) * c[:, 0, None, None]
+    if not causal:
+        suffix = states[rank + 1 :].sum(0) - right_k.transpose(-1, -2) @ values_and_ones(right_v)
+        far = far + suffix * c[:, -1, None, None]
+    out = near + phi_q @ far
+    return normalize_attention(out[..., :-1], out[..., -1:])
+
+
+def communicated_bytes(batch, heads, head_dim, num_features, band_width, world_size, causal=False, element_size=4):
+    """Bytes one rank receives per layer in the forward all-gather: the other ranks' shard sums (m x (d + 1)) and
+    edge keys and values ((W - 1) x (m + d), once per side), per sequence and head; whatever the length."""
+    sides = 1 if causal else 2
+    per_rank = num_features * (head_dim + 1) + sides * (band_width - 1) * (num_features + head_dim)
+    return (world_size - 1) * batch * heads * per_rank * element_size
+
+
+def ring_attention_bytes(batch, heads, head_dim, length, world_size, element_size=4):
+    """Bytes one rank receives per layer in ring attention: every other shard's keys and values."""
+    return 2 * (world_size - 1) * (length // world_size) * batch * heads * head_dim * element_size

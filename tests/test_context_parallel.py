@@ -1,0 +1,214 @@
+"""Context-parallel NPRF attention (`nprf_hf.nprf_context_parallel`): P = 2 and 3 CPU processes (gloo), each with
+a contiguous shard of the sequence, give one process's outputs and, summed over the ranks, its gradients."""
+
+import json
+import os
+import socket
+
+import pytest
+import torch
+
+from nprf_hf.nprf_context_parallel import (
+    communicated_bytes,
+    context_parallel_attention,
+    halo_index,
+    ring_attention_bytes,
+)
+from nprf_hf.nprf_terms import AttentionTerms
+
+
+TOLERANCE = 1e-4
+
+
+def free_port():
+    with socket.socket() as handle:
+        handle.bind(("127.0.0.1", 0))
+        return handle.getsockname()[1]
+
+
+def spawn(worker, world_size, tmp_path, *args):
+    """Run worker(rank, world_size, port, out_dir, *args) on `world_size` gloo processes; their JSON reports."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(worker, args=(world_size, free_port(), str(tmp_path), *args), nprocs=world_size, join=True)
+    return [json.load(open(os.path.join(tmp_path, f"{rank}.json"))) for rank in range(world_size)]
+
+
+def init(rank, world_size, port):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+
+def shard(length, world_size, rank):
+    """[lo, hi) of `rank`: equal shards except the last."""
+    size = -(-length // world_size)
+    return rank * size, min(length, (rank + 1) * size)
+
+
+def relative_error(got, want):
+    got, want = got.detach().double(), want.detach().double()
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+
+
+# (name, n, causal, dtype, logit scale, bias passed as the whole sequence's [H, 2n - 1])
+CASES = [
+    ("long", 101, False, torch.float64, False, False),
+    ("long_causal", 101, True, torch.float64, False, False),
+    ("wide_band", 10, False, torch.float32, True, False),  # W - 1 = 5 > a shard of 4 (P = 3) or 5 (P = 2)
+    ("wide_band_causal", 10, True, torch.float32, True, True),  # W - 1 = 11: the whole sequence
+]
+
+
+def attention_worker(rank, world_size, port, out_dir):
+    import torch.distributed as dist
+
+    from nprf_hf.functional import draw_projection, nprf_attention, relative_position_bias, rpe_band_width
+
+    init(rank, world_size, port)
+    report = {}
+    batch, heads, d, m, buckets, distance = 2, 2, 8, 16, 8, 16
+    for name, n, causal, dtype, scaled, whole_bias in CASES:
+        generator = torch.Generator().manual_seed(n)  # the same inputs on every rank
+        q, k, v = (torch.randn(batch, heads, n, d, generator=generator, dtype=dtype) for _ in range(3))
+        table = torch.randn(heads, buckets, generator=generator, dtype=dtype)
+        projection = draw_projection(m, d, generator=generator).to(dtype)
+        grad_out = torch.randn(batch, heads, n, d, generator=generator, dtype=dtype)
+        scale = torch.tensor([1.5, 3.0], dtype=dtype).requires_grad_(True) if scaled else None
+        mask = torch.ones(batch, n, dtype=torch.bool)
+        mask[1, n - n // 3 :] = False  # right padding
+        width = rpe_band_width(buckets, distance, not causal)
+
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v, table)]
+        bias = relative_position_bias(leaves[3], n, not causal, buckets, distance)
+        want = nprf_attention(*leaves[:3], bias, projection, mask, causal=causal, band_width=width, logit_scale=scale)
+        want_grads = torch.autograd.grad(want, leaves + ([scale] if scaled else []), grad_out)
+
+        lo, hi = shard(n, world_size, rank)
+        mine = [t[:, :, lo:hi].clone().requires_grad_(True) for t in (q, k, v)] + [table.clone().requires_grad_(True)]
+        bias = relative_position_bias(mine[3], n if whole_bias else width + 1, not causal, buckets, distance)
+        terms = AttentionTerms.from_arguments(logit_scale=scale)
+        got = context_parallel_attention(*mine[:3], bias, projection, width, mask[:, lo:hi], causal=causal, terms=terms)
+        got_grads = list(torch.autograd.grad(got, mine + ([scale] if scaled else []), grad_out[:, :, lo:hi]))
+        for index in range(3, len(got_grads)):  # the shared parameters: summed over the ranks, as DDP does
+            dist.all_reduce(got_grads[index])
+        report[name] = {
+            "output": relative_error(got, want[:, :, lo:hi]),
+            **{key: relative_error(got_grads[i], want_grads[i][:, :, lo:hi]) for i, key in enumerate("qkv")},
+            "table": relative_error(got_grads[3], want_grads[3]),
+            **({"logit_scale": relative_error(got_grads[4], want_grads[4])} if scaled else {}),
+            "shard": [lo, hi],
+        }
+    with open(os.path.join(out_dir, f"{rank}.json"), "w") as handle:
+        json.dump(report, handle)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_shards_equal_one_process(world_size, tmp_path):
+    reports = spawn(attention_worker, world_size, tmp_path)
+    for rank, report in enumerate(reports):
+        assert set(report) == {case[0] for case in CASES}
+        for case, errors in report.items():
+            for what, error in errors.items():
+                if what != "shard":
+                    assert error <= TOLERANCE, f"rank {rank} {case} {what}: relative error {error:.2e}"
+
+
+def test_halo_reaches_past_a_short_neighbour():
+    """Shards of 4, 4, 2 and a halo of 5: rank 2's left halo is rank 1's 4 keys and rank 0's last one."""
+    bounds = [(0, 4), (4, 8), (8, 10)]
+    assert halo_index(bounds, 2, 5, "left") == ([0, 1, 1, 1, 1], [4, 1, 2, 3, 4])
+    assert halo_index(bounds, 0, 5, "right") == ([1, 1, 1, 1, 2], [0, 1, 2, 3, 0])
+    assert halo_index(bounds, 1, 5, "right") == ([2, 2], [0, 1])  # clipped at the sequence's end
+
+
+def test_unsupported_terms_are_named():
+    q = torch.randn(1, 2, 4, 8)
+    terms = AttentionTerms.from_arguments(segment_ids=torch.zeros(1, 4, dtype=torch.long), segment_bias=torch.zeros(2))
+    with pytest.raises(NotImplementedError, match="segment_bias"):
+        context_parallel_attention(q, q, q, torch.zeros(2, 7), torch.randn(16, 8), 3, terms=terms)
+    with pytest.raises(NotImplementedError, match="softmax"):
+        context_parallel_attention(q, q, q, torch.zeros(2, 7), torch.randn(16, 8), 3, variant="softmax")
+
+
+def test_bytes_do_not_grow_with_length():
+    """MiniLM's shape (12 heads of 64, m = 64, W = 91): a few percent of ring attention's bytes at 8k tokens and
+    under 2% at 32k."""
+    sent = communicated_bytes(1, 12, 64, 64, 91, 2)  # no length argument: the states and halos do not grow
+    assert sent / ring_attention_bytes(1, 12, 64, 8192, 2) <= 0.08
+    assert sent / ring_attention_bytes(1, 12, 64, 32768, 2) <= 0.02
+
+
+# (name, family config, model class, decoder): each rank passes its shard of input_ids inside `context_parallel`
+MODELS = [
+    ("roberta_encoder", "NPRFRobertaConfig", "NPRFRobertaModel", False),
+    ("roberta_decoder", "NPRFRobertaConfig", "NPRFRobertaForCausalLM", True),
+    ("bert_encoder", "NPRFBertConfig", "NPRFBertModel", False),  # positions from 0, not from the real tokens
+]
+
+
+def model_worker(rank, world_size, port, out_dir):
+    import torch.distributed as dist
+
+    import nprf_hf
+    from conftest import tiny_nprf_config
+
+    init(rank, world_size, port)
+    report = {}
+    n, pad = 45, 1
+    for name, config_name, model_name, decoder in MODELS:
+        config = getattr(nprf_hf, config_name)(**tiny_nprf_config(pad_token_id=pad, is_decoder=decoder))
+        torch.manual_seed(0)  # the same weights and inputs on every rank
+        model = getattr(nprf_hf, model_name)(config).eval()
+        input_ids = torch.randint(3, config.vocab_size, (2, n))
+        attention_mask = torch.ones(2, n, dtype=torch.long)
+        input_ids[1, 30:], attention_mask[1, 30:] = pad, 0  # right padding, across the shard boundary
+        grad_out = None
+
+        def run(ids, mask):
+            out = model(input_ids=ids, attention_mask=mask, use_cache=False)
+            return out.logits if decoder else out.last_hidden_state
+
+        want = run(input_ids, attention_mask)
+        grad_out = torch.randn(want.shape)
+        want_grads = torch.autograd.grad(want, list(model.parameters()), grad_out, allow_unused=True)
+        lo, hi = shard(n, world_size, rank)
+        with nprf_hf.context_parallel():
+            got = run(input_ids[:, lo:hi], attention_mask[:, lo:hi])
+            got_grads = torch.autograd.grad(got, list(model.parameters()), grad_out[:, lo:hi], allow_unused=True)
+        flat = lambda grads: torch.cat([  # noqa: E731
+            (torch.zeros_like(p) if g is None else g).flatten() for g, p in zip(grads, model.parameters())
+        ])
+        got_flat = flat(got_grads)
+        dist.all_reduce(got_flat)  # as DDP / FSDP sum them
+        report[name] = {"output": relative_error(got, want[:, lo:hi]), "gradients": relative_error(got_flat, flat(want_grads))}
+    with open(os.path.join(out_dir, f"{rank}.json"), "w") as handle:
+        json.dump(report, handle)
+    dist.destroy_process_group()
+
+
+def test_models_on_shards_equal_one_process(tmp_path):
+    for rank, report in enumerate(spawn(model_worker, 2, tmp_path)):
+        assert set(report) == {model[0] for model in MODELS}
+        for name, errors in report.items():
+            for what, error in errors.items():
+                assert error <= TOLERANCE, f"rank {rank} {name} {what}: relative error {error:.2e}"
+
+
+def test_decoder_cache_refused_inside_context_parallel():
+    """An NPRFCache decodes one process's whole sequence: inside `context_parallel` a decoder says to drop it."""
+    import nprf_hf
+    from conftest import tiny_nprf_config
+    from nprf_hf.nprf_context_parallel import _GROUPS
+
+    config = nprf_hf.NPRFRobertaConfig(**tiny_nprf_config(pad_token_id=1, is_decoder=True))
+    model = nprf_hf.NPRFRobertaForCausalLM(config).eval()
+    _GROUPS.append(object())  # active without a process group: the check comes before any collective
+    try:  # (given position ids: the embeddings' own would gather the shards' lengths)
+        with pytest.raises(ValueError, match="use_cache=False"):
+            model(input_ids=torch.randint(3, 99, (1, 5)), position_ids=torch.arange(2, 7)[None], use_cache=True)
+    finally:
+        _GROUPS.pop()
