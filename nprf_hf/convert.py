@@ -415,7 +415,7 @@ def _convert(
     target_class = NPRF_MODEL_CLASSES[model_type][head]
     target = target_class(config).eval()
     report = ConversionReport(model_type, architecture, target_class.__name__, rpe_init=rpe_init)
-    report.encoder_to_decoder = bool(config.is_decoder) and not source_is_decoder
+    report.encoder_to_decoder = bool(getattr(config, "is_decoder", False)) and not source_is_decoder
     loaded = _copy_source_tensors(source, target, architecture, family, head, report)
     _mark_tied_and_untrained_head(report, target, loaded, family.class_name(head, nprf=False))
     if rpe_init == "calibrated":
