@@ -334,3 +334,21 @@ def test_options_are_declared_once_for_every_entry_point():
         help_text = build_parser()._subparsers._group_actions[0].choices["convert"].format_help()
         assert all(prefix + name.replace("_", "-") in help_text for name in declared)
     assert set(options.GLUE_TRANSFER_OPTIONS) <= set(options.TRANSFER_OPTIONS)
+
+
+def test_layer_errors_are_the_relative_error_against_independent_students(tokenizer):
+    """The transfer's loss at two points known without its code: a student whose attention is the teacher's own
+    (the softmax variant with a zero bias) has error 0 in every layer, and one whose attention outputs nothing (zero
+    value projection) has error exactly 1, however the teacher's outputs are scaled."""
+    teacher = tiny_bert(tokenizer)
+    batch = tokenizer(TEXTS[:3], padding=True, return_tensors="pt")
+    same = nprf_hf.convert_to_nprf(teacher, tokenizer=tokenizer, attention_variant="softmax")
+    assert layer_errors(same, teacher, batch).abs().max() < 1e-10
+    silent = nprf_hf.convert_to_nprf(teacher, tokenizer=tokenizer, num_random_features=16)
+    with torch.no_grad():
+        for layer in silent.encoder.layer:
+            layer.attention.self.value.weight.zero_()
+            layer.attention.self.value.bias.zero_()
+    errors = layer_errors(silent, teacher, batch)
+    assert errors.shape == (len(teacher.encoder.layer),)
+    torch.testing.assert_close(errors, torch.ones_like(errors), rtol=0, atol=1e-6)
