@@ -10,7 +10,8 @@ Rank p holds the contiguous shard [lo, hi) of the N tokens (the ranks in order).
         phi_k [v | 1]^T (m x (d_v + 1) per head) of those keys.
 
 One collective per layer brings both: an all-gather of every rank's shard sum phi_k^T [v | 1] and of its first and
-last W - 1 features and values (a halo wider than a neighbour's shard reads the shards beyond it). S^- is the
+last W - 1 keys, values and padding flags (a halo wider than a neighbour's shard reads the shards beyond it; the
+receiver maps the keys itself: d numbers a key, not m). S^- is the
 gathered sums of the shards before this one minus the left halo's (counted exactly already), S^+ likewise;
 causal attention drops the keys after the query (no right halo, no S^+). The all-gather is differentiable, so the
 gradients summed over the ranks (as DDP and FSDP sum them) are one process's. Softmax's ring attention passes every
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .nprf_banded import banded_toeplitz_attention
-from .nprf_features import compute_dtype, normalize_attention, query_key_features, values_and_ones
+from .nprf_features import compute_dtype, normalize_attention, query_key_features, values_and_ones, variant_features
 from .nprf_positions import masked_bias
 
 
@@ -215,24 +216,28 @@ def sharded_attention(query, key, value, bias, projection, key_padding_mask, cau
     batch, heads, n, m = phi_q.shape
     d = value.shape[-1]
 
-    # One all-gather: the shard's sum phi_k^T [v | 1] and its edge keys (last W - 1, and first W - 1 unless causal).
+    # One all-gather: the shard's sum phi_k^T [v | 1] and its edge keys, values and flags (last W - 1, and first
+    # W - 1 unless causal).
     state = phi_k.transpose(-1, -2) @ values_and_ones(value)  # [B, H, m, e]
+    keep = phi_k.new_ones(batch, 1, n, 1) if mask is None else mask[:, None, :, None]
     sides = ("left",) if causal else ("left", "right")
-    parts = [state] + [_edge(x, halo, side) for side in sides for x in (phi_k, value)]
+    edges = [key.to(dtype), value, keep]
+    parts = [state] + [_edge(x, halo, side) for side in sides for x in edges]
     gathered = all_gather(torch.cat([p.flatten() for p in parts]), group)  # [P, F]
     pieces = gathered.split([p.numel() for p in parts], dim=1)
     world = gathered.shape[0]
     states = pieces[0].view(world, *state.shape)
-    halos = {}
+    halos = {"right": (phi_k.new_zeros(batch, heads, 0, m), value.new_zeros(batch, heads, 0, d))}
     for index, side in enumerate(sides):
-        edge_k = pieces[1 + 2 * index].view(world, batch, heads, halo, m)
-        edge_v = pieces[2 + 2 * index].view(world, batch, heads, halo, d)
         owners, rows = halo_index(bounds, rank, halo, side)
         owners, rows = (torch.tensor(x, dtype=torch.long, device=query.device) for x in (owners, rows))
-        halos[side] = tuple(e[owners, :, :, rows].permute(1, 2, 0, 3) for e in (edge_k, edge_v))  # [B, H, G, f]
-    empty_k, empty_v = phi_k.new_zeros(batch, heads, 0, m), value.new_zeros(batch, heads, 0, d)
+        k, v, flags = (  # [B, H or 1, G, f]: the halo's rows, from their owners' edges
+            piece.view(world, x.shape[0], x.shape[1], halo, x.shape[-1])[owners, :, :, rows].permute(1, 2, 0, 3)
+            for piece, x in zip(pieces[1 + 3 * index : 4 + 3 * index], edges)
+        )
+        halos[side] = (variant_features(k, projection, variant, logit_scale) * flags, v)
     left_k, left_v = halos["left"]
-    right_k, right_v = halos.get("right", (empty_k, empty_v))
+    right_k, right_v = halos["right"]
 
     # Near: the window [lo - (W - 1), hi + (W - 1)) with its exact coefficients (the halo rows' queries are zero).
     before, after = left_k.shape[-2], right_k.shape[-2]
@@ -256,11 +261,12 @@ def sharded_attention(query, key, value, bias, projection, key_padding_mask, cau
 
 
 def communicated_bytes(batch, heads, head_dim, num_features, band_width, world_size, causal=False, element_size=4):
-    """Bytes one rank receives per layer in the forward all-gather: the other ranks' shard sums (m x (d + 1)) and
-    edge keys and values ((W - 1) x (m + d), once per side), per sequence and head; whatever the length."""
+    """Bytes one rank receives per layer in the forward all-gather: the other ranks' shard sums (m x (d + 1) per
+    head) and edge keys, values ((W - 1) x 2d per head) and padding flags (W - 1), once per side; per sequence,
+    whatever the length."""
     sides = 1 if causal else 2
-    per_rank = num_features * (head_dim + 1) + sides * (band_width - 1) * (num_features + head_dim)
-    return (world_size - 1) * batch * heads * per_rank * element_size
+    per_rank = heads * (num_features * (head_dim + 1) + sides * (band_width - 1) * 2 * head_dim) + sides * (band_width - 1)
+    return (world_size - 1) * batch * per_rank * element_size
 
 
 def ring_attention_bytes(batch, heads, head_dim, length, world_size, element_size=4):

@@ -65,10 +65,19 @@ CASES = [
 def attention_worker(rank, world_size, port, out_dir):
     import torch.distributed as dist
 
+    from nprf_hf import nprf_context_parallel
     from nprf_hf.functional import draw_projection, nprf_attention, relative_position_bias, rpe_band_width
 
     init(rank, world_size, port)
     report = {}
+    received, gather = [], nprf_context_parallel.all_gather
+
+    def counting_gather(tensor, group=None):  # the bytes this rank receives: the other ranks' parts
+        out = gather(tensor, group)
+        received.append((out.shape[0] - 1) * tensor.numel() * tensor.element_size())
+        return out
+
+    nprf_context_parallel.all_gather = counting_gather
     batch, heads, d, m, buckets, distance = 2, 2, 8, 16, 8, 16
     for name, n, causal, dtype, scaled, whole_bias in CASES:
         generator = torch.Generator().manual_seed(n)  # the same inputs on every rank
@@ -90,7 +99,9 @@ def attention_worker(rank, world_size, port, out_dir):
         mine = [t[:, :, lo:hi].clone().requires_grad_(True) for t in (q, k, v)] + [table.clone().requires_grad_(True)]
         bias = relative_position_bias(mine[3], n if whole_bias else width + 1, not causal, buckets, distance)
         terms = AttentionTerms.from_arguments(logit_scale=scale)
+        received.clear()
         got = context_parallel_attention(*mine[:3], bias, projection, width, mask[:, lo:hi], causal=causal, terms=terms)
+        sent = communicated_bytes(batch, heads, d, m, width, world_size, causal, torch.finfo(dtype).bits // 8)
         got_grads = list(torch.autograd.grad(got, mine + ([scale] if scaled else []), grad_out[:, :, lo:hi]))
         for index in range(3, len(got_grads)):  # the shared parameters: summed over the ranks, as DDP does
             dist.all_reduce(got_grads[index])
@@ -100,6 +111,7 @@ def attention_worker(rank, world_size, port, out_dir):
             "table": relative_error(got_grads[3], want_grads[3]),
             **({"logit_scale": relative_error(got_grads[4], want_grads[4])} if scaled else {}),
             "shard": [lo, hi],
+            "bytes": [list(received), [sent]],
         }
     with open(os.path.join(out_dir, f"{rank}.json"), "w") as handle:
         json.dump(report, handle)
@@ -113,7 +125,9 @@ def test_shards_equal_one_process(world_size, tmp_path):
         assert set(report) == {case[0] for case in CASES}
         for case, errors in report.items():
             for what, error in errors.items():
-                if what != "shard":
+                if what == "bytes":  # one all-gather per call, of the size `communicated_bytes` says
+                    assert error[0] == error[1], f"rank {rank} {case}: received {error[0]} bytes, not {error[1]}"
+                elif what != "shard":
                     assert error <= TOLERANCE, f"rank {rank} {case} {what}: relative error {error:.2e}"
 
 
