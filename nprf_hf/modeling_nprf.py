@@ -363,6 +363,7 @@ class NPRFSelfAttention(nn.Module):
             attn_output = context_parallel_attention(
                 query, key, value, band_bias, self.projection, self.band_width, key_padding_mask, self.is_causal,
                 self.config.attention_variant, terms, group=sharded,
+                recompute=RECOMPUTE_MODES[self.config.attention_recompute],
             )
         elif general_mask is None and output_attentions:
             # The output is computed from the returned weights, so they are part of the graph (attribution

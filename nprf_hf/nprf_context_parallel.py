@@ -25,10 +25,16 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 from .nprf_banded import banded_toeplitz_attention
 from .nprf_features import compute_dtype, normalize_attention, query_key_features, values_and_ones, variant_features
 from .nprf_positions import masked_bias
+
+
+# Training recomputes a layer's features in backward from this size of the shard's [B, H, n, m] features on (as
+# `functional.RECOMPUTE_MIN_BYTES`): below it the second forward costs time for little memory.
+RECOMPUTE_MIN_BYTES = 16 << 20
 
 
 # The process groups of the active `context_parallel` blocks, innermost last. A plain list, not a ContextVar:
@@ -166,6 +172,7 @@ def context_parallel_attention(
     terms=None,
     logit_scale=None,
     group=None,
+    recompute=None,
 ):
     """`functional.nprf_attention` of a sequence sharded across the ranks of `group`, for this rank's shard.
 
@@ -176,6 +183,8 @@ def context_parallel_attention(
         projection: [m, d] or [H, m, d]. key_padding_mask: [B, n_p] (True / 1 = keep) of this shard.
         terms: None or an `nprf_terms.AttentionTerms` holding the logit scale only (or `logit_scale` [H]).
         group: the process group (None: the default one).
+        recompute: under autograd, keep only the inputs of the shard's products and recompute them in backward
+            (None: when the shard's features take RECOMPUTE_MIN_BYTES), as `nprf_attention`'s.
     Returns:
         [B, H, n_p, d_v], this shard's rows of the one-process output.
     """
@@ -199,63 +208,95 @@ def context_parallel_attention(
     with torch.autocast(query.device.type, enabled=False):
         bias = band_bias(rpe_bias, band_width, ends[-1])
         out = sharded_attention(query, key, value, bias, projection, key_padding_mask, causal, variant, logit_scale,
-                                bounds, dist.get_rank(group), group)
+                                bounds, dist.get_rank(group), group, recompute)
     return out.to(query.dtype)
 
 
 def sharded_attention(query, key, value, bias, projection, key_padding_mask, causal, variant, logit_scale, bounds,
-                      rank, group):
+                      rank, group, recompute=None):
     """`context_parallel_attention` once the shards are known: `bounds` [(lo, hi)] of every rank, `bias` [H, 2W + 1]
     (b_r for r = -W .. W, the ends standing for every farther distance)."""
     band_width = (bias.shape[-1] - 1) // 2
     halo = band_width - 1
     dtype = compute_dtype(query.dtype)
     mask = None if key_padding_mask is None else key_padding_mask.to(device=query.device, dtype=dtype)
-    phi_q, phi_k = query_key_features(query, key, projection, mask, dtype, logit_scale, variant=variant)
-    value = value.to(dtype)
-    batch, heads, n, m = phi_q.shape
-    d = value.shape[-1]
+    key, value = key.to(dtype), value.to(dtype)
+    batch, heads, n, d = value.shape
+    run = _stage_runner(query, key, value, bias, projection, logit_scale, recompute)
 
     # One all-gather: the shard's sum phi_k^T [v | 1] and its edge keys, values and flags (last W - 1, and first
     # W - 1 unless causal).
-    state = phi_k.transpose(-1, -2) @ values_and_ones(value)  # [B, H, m, e]
-    keep = phi_k.new_ones(batch, 1, n, 1) if mask is None else mask[:, None, :, None]
+    state = run(_shard_state, key, value, mask, projection, logit_scale, variant)  # [B, H, m, e]
+    keep = value.new_ones(batch, 1, n, 1) if mask is None else mask[:, None, :, None]
     sides = ("left",) if causal else ("left", "right")
-    edges = [key.to(dtype), value, keep]
+    edges = [key, value, keep]
     parts = [state] + [_edge(x, halo, side) for side in sides for x in edges]
     gathered = all_gather(torch.cat([p.flatten() for p in parts]), group)  # [P, F]
     pieces = gathered.split([p.numel() for p in parts], dim=1)
     world = gathered.shape[0]
     states = pieces[0].view(world, *state.shape)
-    halos = {"right": (phi_k.new_zeros(batch, heads, 0, m), value.new_zeros(batch, heads, 0, d))}
+    halos = {"right": tuple(x.new_zeros(batch, x.shape[1], 0, x.shape[-1]) for x in edges)}
     for index, side in enumerate(sides):
         owners, rows = halo_index(bounds, rank, halo, side)
         owners, rows = (torch.tensor(x, dtype=torch.long, device=query.device) for x in (owners, rows))
-        k, v, flags = (  # [B, H or 1, G, f]: the halo's rows, from their owners' edges
+        halos[side] = tuple(  # [B, H or 1, G, f]: the halo's rows, from their owners' edges
             piece.view(world, x.shape[0], x.shape[1], halo, x.shape[-1])[owners, :, :, rows].permute(1, 2, 0, 3)
             for piece, x in zip(pieces[1 + 3 * index : 4 + 3 * index], edges)
         )
-        halos[side] = (variant_features(k, projection, variant, logit_scale) * flags, v)
-    left_k, left_v = halos["left"]
-    right_k, right_v = halos["right"]
-
-    # Near: the window [lo - (W - 1), hi + (W - 1)) with its exact coefficients (the halo rows' queries are zero).
-    before, after = left_k.shape[-2], right_k.shape[-2]
-    window = before + n + after
     bias = masked_bias(bias.to(dtype), band_width + 1, causal)
     c = torch.exp(bias - bias.amax(-1, keepdim=True).detach())  # [H, 2W + 1]; the far parts share its scale
+    after = None if causal else states[rank + 1 :].sum(0)
+    return run(_window_attention, query, key, value, mask, *halos["left"], *halos["right"], states[:rank].sum(0),
+               after, c, projection, logit_scale, variant, causal)
+
+
+def _stage_runner(query, key, value, bias, projection, logit_scale, recompute):
+    """How a stage runs: as it is, or (training on long shards) under non-reentrant checkpointing, which keeps only
+    its inputs and recomputes its [B, H, n, m] features and products in backward, as `nprf_attention`'s recompute
+    does. Only the stages without a collective are checkpointed: a recomputed collective would need every rank
+    to recompute in the same order."""
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (query, key, value, bias, projection, logit_scale)
+    )
+    if recompute is None:
+        feature_bytes = query.shape[0] * query.shape[1] * query.shape[2] * projection.shape[-2] * value.element_size()
+        recompute = feature_bytes >= RECOMPUTE_MIN_BYTES
+    if not (recompute and needs_grad) or torch.compiler.is_compiling():
+        return lambda stage, *inputs: stage(*inputs)
+    return lambda stage, *inputs: checkpoint(stage, *inputs, use_reentrant=False, preserve_rng_state=False)
+
+
+def _shard_state(key, value, mask, projection, logit_scale, variant):
+    """[B, H, m, e]: sum_j phi_k_j [v_j | 1]^T over the shard's (kept) keys."""
+    phi_k = variant_features(key, projection, variant, logit_scale)
+    if mask is not None:
+        phi_k = phi_k * mask[:, None, :, None]
+    return phi_k.transpose(-1, -2) @ values_and_ones(value)
+
+
+def _window_attention(query, key, value, mask, left_k, left_v, left_keep, right_k, right_v, right_keep, before, after,
+                      c, projection, logit_scale, variant, causal):
+    """The shard's output [B, H, n, d_v]: the window [lo - (W - 1), hi + (W - 1)) with its exact coefficients `c`
+    [H, 2W + 1] (halo keys, values, keep flags `left_*` / `right_*` [B, H or 1, G, .]), the keys beyond it through
+    the gathered sums of the shards before / after this one (`before`, `after` [B, H, m, e]; None when causal)
+    less the halo's, which the window counts."""
+    band_width = (c.shape[-1] - 1) // 2
+    dtype = value.dtype
+    phi_q, phi_k = query_key_features(query, key, projection, mask, dtype, logit_scale, variant=variant)
+    left_k, right_k = (variant_features(k, projection, variant, logit_scale) * keep
+                       for k, keep in ((left_k, left_keep), (right_k, right_keep)))
+    batch, heads, n, m = phi_q.shape
+    lead, trail = left_k.shape[-2], right_k.shape[-2]
+    window = lead + n + trail
     r = torch.arange(-(window - 1), window, device=c.device).clamp(-band_width, band_width)
-    q_window = torch.cat([phi_q.new_zeros(batch, heads, before, m), phi_q, phi_q.new_zeros(batch, heads, after, m)], 2)
-    near = banded_toeplitz_attention(
+    q_window = torch.cat([phi_q.new_zeros(batch, heads, lead, m), phi_q, phi_q.new_zeros(batch, heads, trail, m)], 2)
+    near = banded_toeplitz_attention(  # the halo rows' queries are zero, their rows dropped
         q_window, torch.cat([left_k, phi_k, right_k], 2), torch.cat([left_v, value, right_v], 2),
         c[:, r + band_width], max(band_width, 1), causal,
-    )[:, :, before : before + n]
-
-    # Far: the keys before (after) the window, the gathered shard sums less the halo's, which `near` counted.
-    far = (states[: rank].sum(0) - left_k.transpose(-1, -2) @ values_and_ones(left_v)) * c[:, 0, None, None]
-    if not causal:
-        suffix = states[rank + 1 :].sum(0) - right_k.transpose(-1, -2) @ values_and_ones(right_v)
-        far = far + suffix * c[:, -1, None, None]
+    )[:, :, lead : lead + n]
+    far = (before - left_k.transpose(-1, -2) @ values_and_ones(left_v)) * c[:, 0, None, None]
+    if after is not None:
+        far = far + (after - right_k.transpose(-1, -2) @ values_and_ones(right_v)) * c[:, -1, None, None]
     out = near + phi_q @ far
     return normalize_attention(out[..., :-1], out[..., -1:])
 

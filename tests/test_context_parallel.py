@@ -53,12 +53,12 @@ def relative_error(got, want):
     return float((got - want).norm() / want.norm().clamp_min(1e-30))
 
 
-# (name, n, causal, dtype, logit scale, bias passed as the whole sequence's [H, 2n - 1])
+# (name, n, causal, dtype, logit scale, bias passed as the whole sequence's [H, 2n - 1], recompute in backward)
 CASES = [
-    ("long", 101, False, torch.float64, False, False),
-    ("long_causal", 101, True, torch.float64, False, False),
-    ("wide_band", 10, False, torch.float32, True, False),  # W - 1 = 5 > a shard of 4 (P = 3) or 5 (P = 2)
-    ("wide_band_causal", 10, True, torch.float32, True, True),  # W - 1 = 11: the whole sequence
+    ("long", 101, False, torch.float64, False, False, False),
+    ("long_causal", 101, True, torch.float64, False, False, True),
+    ("wide_band", 10, False, torch.float32, True, False, True),  # W - 1 = 5 > a shard of 4 (P = 3) or 5 (P = 2)
+    ("wide_band_causal", 10, True, torch.float32, True, True, False),  # W - 1 = 11: the whole sequence
 ]
 
 
@@ -79,7 +79,7 @@ def attention_worker(rank, world_size, port, out_dir):
 
     nprf_context_parallel.all_gather = counting_gather
     batch, heads, d, m, buckets, distance = 2, 2, 8, 16, 8, 16
-    for name, n, causal, dtype, scaled, whole_bias in CASES:
+    for name, n, causal, dtype, scaled, whole_bias, recompute in CASES:
         generator = torch.Generator().manual_seed(n)  # the same inputs on every rank
         q, k, v = (torch.randn(batch, heads, n, d, generator=generator, dtype=dtype) for _ in range(3))
         table = torch.randn(heads, buckets, generator=generator, dtype=dtype)
@@ -100,7 +100,8 @@ def attention_worker(rank, world_size, port, out_dir):
         bias = relative_position_bias(mine[3], n if whole_bias else width + 1, not causal, buckets, distance)
         terms = AttentionTerms.from_arguments(logit_scale=scale)
         received.clear()
-        got = context_parallel_attention(*mine[:3], bias, projection, width, mask[:, lo:hi], causal=causal, terms=terms)
+        got = context_parallel_attention(*mine[:3], bias, projection, width, mask[:, lo:hi], causal=causal, terms=terms,
+                                         recompute=recompute)
         sent = communicated_bytes(batch, heads, d, m, width, world_size, causal, torch.finfo(dtype).bits // 8)
         got_grads = list(torch.autograd.grad(got, mine + ([scale] if scaled else []), grad_out[:, :, lo:hi]))
         for index in range(3, len(got_grads)):  # the shared parameters: summed over the ranks, as DDP does
