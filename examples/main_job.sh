@@ -24,4 +24,10 @@ nprf, softmax = (json.load(open(os.path.join(d, "eval_results.json")))["eval_acc
 print(f"SST-2 dev accuracy after 1 epoch on 500 examples: NPRF (converted MiniLM) {nprf:.3f}, "
       f"softmax MiniLM {softmax:.3f} ({nprf / softmax:.1%} of the source)")
 print(f"results: {sys.argv[1]}/eval_results.json, {sys.argv[2]}/eval_results.json")
+band = os.environ.get("CHECK_RATIO")  # "LOW,HIGH": CI fails the run when the ratio leaves the band the README states
+if band:
+    low, high = (float(x) for x in band.split(","))
+    if not low <= nprf / softmax <= high:
+        sys.exit(f"main job: NPRF / softmax accuracy {nprf / softmax:.3f} is outside the stated band [{low}, {high}]")
+    print(f"ratio {nprf / softmax:.3f} within the stated band [{low}, {high}]")
 PY

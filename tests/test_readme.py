@@ -123,3 +123,16 @@ def test_readme_code_blocks_run(tmp_path, roberta_source):
     assert (tmp_path / "minilm-nprf-st" / "attention_transfer.json").is_file()
     assert "base_model: sentence-transformers/all-MiniLM-L6-v2" in (tmp_path / "minilm-nprf-st" / "README.md").read_text()
     assert (tmp_path / "roberta-nprf-lm" / "config.json").read_text().count('"is_decoder": true') == 1
+
+
+def test_ci_runs_the_main_job_within_the_band_the_readme_states():
+    """The README marks the main job "runs: ci": .ci/run runs it, failing outside the accuracy band the README
+    states (examples/main_job.sh reads CHECK_RATIO)."""
+    with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as handle:
+        ci = handle.read()
+    found = re.search(r"CHECK_RATIO=([0-9.]+),([0-9.]+) .*bash examples/main_job\.sh", ci)
+    assert found, ".ci/run does not run the main job with CHECK_RATIO"
+    low, high = found.groups()
+    assert f"fails outside {low}–{high}" in " ".join(readme_text().split())
+    with open(os.path.join(ROOT, "examples", "main_job.sh"), encoding="utf-8") as handle:
+        assert "CHECK_RATIO" in handle.read()
