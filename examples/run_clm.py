@@ -16,6 +16,8 @@ perplexity (mean token loss over every block of `--validation_file`, exponentiat
         --block_size 256 --max_steps 300 --output_dir runs/clm-nprf
     # the softmax baseline: --model_type roberta; a checkpoint: --model_name_or_path DIR (NPRF or softmax)
     accelerate launch --config_file examples/accelerate/cpu_ddp.yaml examples/run_clm.py ... --threads 1
+    # one long block over two processes (an NPRF decoder): each runs half of every block's tokens
+    accelerate launch --config_file examples/accelerate/cpu_ddp.yaml examples/run_clm.py ... --context_parallel
 
 The output folder is written whole at the end (a temporary sibling moved into place); a non-empty one is
 refused unless `--overwrite_output_dir`.
@@ -58,6 +60,9 @@ def parse_args(argv=None):
                        help="autocast dtype (bf16 on CPU and recent GPUs; fp16 on GPUs, with loss scaling)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--threads", type=int, help="torch threads per process (processes x threads <= cores)")
+    train.add_argument("--context_parallel", action="store_true",
+                       help="NPRF decoders: every process takes the same blocks and runs its contiguous shard of their "
+                            "tokens (nprf_hf.context_parallel); the loss and gradients are those of the whole blocks")
     out = parser.add_argument_group("output")
     out.add_argument("--output_dir", required=True)
     out.add_argument("--overwrite_output_dir", action="store_true", help="replace a non-empty --output_dir")
@@ -163,6 +168,42 @@ def evaluate(model, blocks, batch_size, accelerator=None):
     return {"eval_loss": mean, "perplexity": math.exp(min(mean, 700.0)), "eval_tokens": int(total[1].item())}
 
 
+def context_parallel_setup(args, model, accelerator):
+    """(process group, (lo, hi)) of this process's shard of every block under --context_parallel, else None. The
+    shards' attention runs on a group of its own, apart from DDP's gradient all-reduces."""
+    import torch
+
+    if not args.context_parallel or accelerator.num_processes == 1:
+        return None
+    if not model.config.model_type.startswith("nprf"):
+        raise SystemExit(f"error: --context_parallel shards NPRF attention; {model.config.model_type} is not an NPRF model")
+    world, rank = accelerator.num_processes, accelerator.process_index
+    size = -(-args.block_size // world)  # equal shards except the last
+    if (world - 1) * size >= args.block_size:
+        raise SystemExit(f"error: --block_size {args.block_size} leaves a process of {world} without tokens")
+    return torch.distributed.new_group(), (rank * size, min(args.block_size, (rank + 1) * size))
+
+
+def sharded_loss(model, batch, accelerator, group, bounds):
+    """(loss to backpropagate, the blocks' mean token loss) of this process's shard of `batch` [B, block_size]: its
+    tokens predict the next ones, the last shard's last token predicts none. The loss is this shard's share of the
+    whole blocks' mean, times the processes: DDP averages the gradients, the shards' gradients add up."""
+    import torch
+
+    import nprf_hf
+
+    lo, hi = bounds
+    targets = batch[:, lo + 1 : hi + 1]
+    with nprf_hf.context_parallel(group), accelerator.autocast():
+        logits = model(input_ids=batch[:, lo:hi], use_cache=False).logits
+    summed = torch.nn.functional.cross_entropy(
+        logits[:, : targets.shape[1]].float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"
+    )
+    mean = summed / (batch.shape[0] * (batch.shape[1] - 1))
+    loss_value = accelerator.reduce(mean.detach(), reduction="sum").item()
+    return mean * accelerator.num_processes, loss_value
+
+
 def main(argv=None):
     args = parse_args(argv)
     import torch
@@ -188,6 +229,7 @@ def main(argv=None):
                                    {"params": no_decay, "weight_decay": 0.0}], lr=args.learning_rate)
     schedule = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, args.max_steps)
     model.train()
+    sharding = context_parallel_setup(args, model, accelerator)
     model, optimizer = accelerator.prepare(model, optimizer)
 
     # every process draws its own blocks from one seeded order (no block twice per epoch across processes)
@@ -197,15 +239,19 @@ def main(argv=None):
     batch_size, world = args.per_device_train_batch_size, accelerator.num_processes
     for step in range(1, args.max_steps + 1):
         start = time.perf_counter()
-        needed = batch_size * world
+        needed = batch_size * (1 if sharding else world)  # context parallel: every process takes the same blocks
         if position + needed > len(order):
             order, position = torch.randperm(len(train_blocks), generator=generator), 0
-        mine = order[position : position + needed][accelerator.process_index :: world]
+        mine = order[position : position + needed]
+        mine = mine if sharding else mine[accelerator.process_index :: world]
         position += needed
         batch = train_blocks[mine].to(accelerator.device)
-        with accelerator.autocast():
-            loss = model(input_ids=batch, labels=batch, use_cache=False).loss
-        loss_value = accelerator.reduce(loss.detach().float(), reduction="mean").item()
+        if sharding:
+            loss, loss_value = sharded_loss(model, batch, accelerator, *sharding)
+        else:
+            with accelerator.autocast():
+                loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+            loss_value = accelerator.reduce(loss.detach().float(), reduction="mean").item()
         if not math.isfinite(loss_value):
             diverged = True
             log.append({"step": step, "loss": loss_value, "grad_norm": None, "learning_rate": schedule.get_last_lr()[0],
@@ -229,7 +275,8 @@ def main(argv=None):
     results = {
         "model": args.model_name_or_path or args.model_type, "config_overrides": args.config_overrides,
         "steps": len(log), "diverged": diverged, "final_loss": log[-1]["loss"], "block_size": args.block_size,
-        "batch_size": batch_size * world, "processes": world, "mixed_precision": accelerator.mixed_precision,
+        "batch_size": batch_size * (1 if sharding else world), "processes": world,
+        "context_parallel": bool(sharding), "mixed_precision": accelerator.mixed_precision,
         "learning_rate": args.learning_rate, "max_grad_norm": args.max_grad_norm, "seed": args.seed,
         "train_seconds": time.perf_counter() - start_all, "parameters": sum(p.numel() for p in core.parameters()),
     }

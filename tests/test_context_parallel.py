@@ -227,3 +227,39 @@ def test_decoder_cache_refused_inside_context_parallel():
             model(input_ids=torch.randint(3, 99, (1, 5)), position_ids=torch.arange(2, 7)[None], use_cache=True)
     finally:
         _GROUPS.pop()
+
+
+def test_run_clm_context_parallel_matches_one_process(roberta_source, tmp_path):
+    """examples/run_clm.py --context_parallel on 2 processes (accelerate launch, gloo): every block's tokens split over
+    them, the same losses step by step as one process on the same blocks."""
+    import subprocess
+    import sys
+
+    from conftest import shared_data
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(shared_data("wikitext-2", "valid.txt"), encoding="utf-8") as handle:
+        (tmp_path / "train.txt").write_text("".join(next(handle) for _ in range(200)), encoding="utf-8")
+    tiny = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64,
+            "max_position_embeddings": 70, "num_random_features": 16, "rpe_num_buckets": 8, "rpe_max_distance": 16,
+            "hidden_dropout_prob": 0.0}
+    arguments = ["--model_type", "nprf_roberta", "--tokenizer_name", roberta_source, "--config_overrides",
+                 json.dumps(tiny), "--train_file", str(tmp_path / "train.txt"), "--block_size", "64", "--max_steps", "3",
+                 "--per_device_train_batch_size", "2", "--threads", "1", "--no_save_model"]
+    script = os.path.join(root, "examples", "run_clm.py")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    logs = {}
+    for name, launch in (("one", [sys.executable, script]), ("sharded", [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+        os.path.join(root, "examples", "accelerate", "cpu_ddp.yaml"), script, "--context_parallel",
+    ])):
+        result = subprocess.run(launch + arguments + ["--output_dir", str(tmp_path / name)], capture_output=True,
+                                text=True, timeout=300, cwd=root, env=env)
+        assert result.returncode == 0, result.stderr[-3000:]
+        logs[name] = [json.loads(line)["loss"] for line in open(tmp_path / name / "train_log.jsonl")]
+        results = json.load(open(tmp_path / name / "results.json"))
+        assert results["context_parallel"] == (name == "sharded") and results["batch_size"] == 2
+        assert results["processes"] == (2 if name == "sharded" else 1)
+    assert len(logs["one"]) == len(logs["sharded"]) == 3
+    for one, sharded in zip(logs["one"], logs["sharded"]):
+        assert abs(one - sharded) <= 1e-4 * abs(one), logs
