@@ -23,6 +23,10 @@ tokenizer and sentence-transformers files, written to a temporary sibling folder
         --train_file ../shared/data/wikitext-2/valid.txt --document_length 4096 --batch_size 2 \\
         --max_steps 100 --gradient_checkpointing --output_dir runs/long-retrieval
     accelerate launch --config_file examples/accelerate/cpu_ddp.yaml examples/run_long_retrieval.py ... --threads 1
+
+With `--context_parallel` (NPRF models, 2+ processes) the processes share one batch instead: each runs its
+contiguous shard of every document (`nprf_hf.context_parallel`), the mean pooling sums the shards, and the loss
+and averaged gradients are one process's on that batch, with 1 / P of a document's activations per process.
 """
 
 import argparse
@@ -56,6 +60,8 @@ def parse_args(argv=None):
     parser.add_argument("--temperature", type=float, default=0.05)
     parser.add_argument("--max_grad_norm", type=float, default=1.0)
     parser.add_argument("--gradient_checkpointing", action="store_true")
+    parser.add_argument("--context_parallel", action="store_true",
+                        help="NPRF models: every process runs its shard of each document of one shared batch")
     parser.add_argument("--attention_recompute", choices=("auto", "always", "never"), default=None,
                         help="NPRF models: recompute attention in backward (default: the model's)")
     parser.add_argument("--mixed_precision", choices=("no", "bf16", "fp16"), default=None,
@@ -69,6 +75,9 @@ def parse_args(argv=None):
         parser.error("--batch_size must be >= 2: the other documents of the batch are the negatives")
     if args.passage_length < 1 or args.passage_length >= args.document_length:
         parser.error("need 1 <= --passage_length < --document_length")
+    if args.context_parallel and (args.chunk_and_pool or args.gradient_checkpointing):
+        parser.error("--context_parallel shards NPRF whole-document passes, without --chunk_and_pool or "
+                     "--gradient_checkpointing (its recomputed layers would run outside the shards' context)")
     if not os.path.isfile(args.train_file):
         parser.error(f"--train_file {args.train_file}: no such file")
     from nprf_hf.checkpoint_files import check_output_dir
@@ -135,7 +144,9 @@ def main(argv=None):
     optimizer = accelerator.prepare(optimizer)
 
     stream = token_stream(tokenizer, read_long_text(args.train_file))
-    generator = torch.Generator().manual_seed(args.seed + accelerator.process_index)
+    sharded = args.context_parallel and accelerator.num_processes > 1
+    # each process mines its own batch; under context parallelism they share one
+    generator = torch.Generator().manual_seed(args.seed + (0 if sharded else accelerator.process_index))
     log, seconds = [], []
     for step in range(1, args.max_steps + 1):
         start = time.perf_counter()
@@ -144,6 +155,8 @@ def main(argv=None):
         with accelerator.autocast():
             if args.chunk_and_pool:
                 documents = chunk_and_pool(core, tokenizer, docs, window)
+            elif sharded:
+                documents = torch.cat([sharded_document(core, tokenizer, ids, accelerator) for ids in docs])
             else:
                 documents = embed_documents(core, tokenizer, docs)
             queries = encode_token_ids(core, tokenizer, passages)
@@ -168,7 +181,8 @@ def main(argv=None):
     results = {
         "model": args.model_name_or_path, "mode": "chunk-and-pool" if args.chunk_and_pool else "whole document",
         "document_length": args.document_length, "batch_size": args.batch_size, "steps": args.max_steps,
-        "processes": accelerator.num_processes, "mixed_precision": accelerator.mixed_precision,
+        "processes": accelerator.num_processes, "context_parallel": sharded,
+        "mixed_precision": accelerator.mixed_precision,
         "gradient_checkpointing": args.gradient_checkpointing, "window": window,
         "median_step_seconds": statistics.median(seconds[1:] or seconds),  # the first step warms up
         "peak_memory_bytes": peak_memory_bytes(accelerator.device), "final_loss": log[-1]["loss"],
@@ -183,6 +197,27 @@ def main(argv=None):
         save(core, tokenizer, args, log, results, carry_sentence_transformers_files)
         print(json.dumps(results))
     return results
+
+
+def sharded_document(model, tokenizer, ids, accelerator):
+    """[1, h]: the normalized mean-pooled embedding of one document (content ids, special tokens added), this
+    process running its contiguous shard of the tokens. The shards' token sums meet in a differentiable all-gather:
+    every process's (identical) loss then sends each shard P times its gradient, which the averaging over the
+    processes after backward brings back to one process's gradient (the passages, run whole by every process,
+    keep theirs)."""
+    import nprf_hf
+    from nprf_hf.long_context import _batch
+    from nprf_hf.nprf_context_parallel import all_gather
+
+    input_ids, _ = _batch(tokenizer, [ids], next(model.parameters()).device)
+    world, rank, n = accelerator.num_processes, accelerator.process_index, input_ids.shape[1]
+    size = -(-n // world)  # equal shards except the last
+    if (world - 1) * size >= n:
+        raise SystemExit(f"error: a document of {n} tokens leaves a process of {world} without tokens")
+    with nprf_hf.context_parallel():
+        hidden = model.base_model(input_ids=input_ids[:, rank * size : (rank + 1) * size]).last_hidden_state
+    pooled = all_gather(hidden.sum(1)).sum(0) / n
+    return F.normalize(pooled, dim=-1)
 
 
 def save(model, tokenizer, args, log, results, carry_sentence_transformers_files):

@@ -263,3 +263,50 @@ def test_run_clm_context_parallel_matches_one_process(roberta_source, tmp_path):
     assert len(logs["one"]) == len(logs["sharded"]) == 3
     for one, sharded in zip(logs["one"], logs["sharded"]):
         assert abs(one - sharded) <= 1e-4 * abs(one), logs
+
+
+def test_run_long_retrieval_context_parallel_matches_one_process(tmp_path):
+    """examples/run_long_retrieval.py --context_parallel on 2 processes: each document split over them, the same
+    losses step by step as one process on the same batch, and the processes' weights stay equal."""
+    import subprocess
+    import sys
+
+    import nprf_hf
+    from conftest import minilm_path, shared_data
+    from transformers import AutoTokenizer
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    config = nprf_hf.NPRFBertConfig(**tiny_nprf_config_kwargs(len(tokenizer)))
+    torch.manual_seed(0)
+    nprf_hf.NPRFBertModel(config).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    with open(shared_data("wikitext-2", "valid.txt"), encoding="utf-8") as handle:
+        (tmp_path / "train.txt").write_text("".join(next(handle) for _ in range(300)), encoding="utf-8")
+    arguments = ["--model_name_or_path", str(tmp_path / "model"), "--train_file", str(tmp_path / "train.txt"),
+                 "--document_length", "120", "--passage_length", "16", "--batch_size", "2", "--max_steps", "2",
+                 "--learning_rate", "1e-3", "--threads", "1"]
+    script = os.path.join(root, "examples", "run_long_retrieval.py")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    logs = {}
+    for name, launch in (("one", [sys.executable, script]), ("sharded", [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+        os.path.join(root, "examples", "accelerate", "cpu_ddp.yaml"), script, "--context_parallel",
+    ])):
+        result = subprocess.run(launch + arguments + ["--output_dir", str(tmp_path / name)], capture_output=True,
+                                text=True, timeout=300, cwd=root, env=env)
+        assert result.returncode == 0, result.stderr[-3000:]
+        logs[name] = [json.loads(line)["loss"] for line in open(tmp_path / name / "train_log.jsonl")]
+        results = json.load(open(tmp_path / name / "train_results.json"))
+        assert results["context_parallel"] == (name == "sharded") and results["parameters_in_sync"]
+    assert len(logs["one"]) == len(logs["sharded"]) == 2
+    for one, sharded in zip(logs["one"], logs["sharded"]):
+        assert abs(one - sharded) <= 1e-4 * abs(one), logs
+
+
+def tiny_nprf_config_kwargs(vocab_size):
+    """A tiny NPRF BERT with 300 positions (documents of 120 tokens) and a short band (W = 6)."""
+    from conftest import tiny_nprf_config
+
+    return tiny_nprf_config(vocab_size=vocab_size, max_position_embeddings=300, num_attention_heads=4,
+                            intermediate_size=64)
