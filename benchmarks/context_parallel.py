@@ -14,9 +14,14 @@ it took longer than --single-step-above seconds. Every process runs --threads-pe
 shared 2-core machine one process with 2 OpenMP threads ran a 1,024-token step 12x slower than with 1, waiting on
 its busy second core), so P processes use P cores: times compare one core with P.
 
-Example (the numbers in benchmarks/results/context_parallel_cpu.json, 2 cores):
+Example (MiniLM-L6's shape; benchmarks/results/context_parallel_cpu16.json ran on an idle 16-core host, where at
+32,768 tokens P = 2 took 0.55x one process's peak memory per process and 0.52x its time per step;
+context_parallel_cpu.json on the shared 2-core machine, whose times wait for cores):
 
     python benchmarks/context_parallel.py --lengths 8192 32768 --world-sizes 1 2
+
+At 8,192 tokens the ratio is higher (0.87x there): a 4,096-token shard's features fall under the size from which
+training recomputes them in backward (`RECOMPUTE_MIN_BYTES`), so the shards keep theirs while one process recomputes.
 """
 
 import argparse
