@@ -201,41 +201,40 @@ def context_parallel_attention(
     if query.dim() != 4 or key.shape != query.shape or value.shape[:3] != query.shape[:3]:
         raise ValueError(f"query, key and value must be [B, H, n, d], got {tuple(query.shape)}, {tuple(key.shape)} "
                          f"and {tuple(value.shape)}")
-    lengths = shard_lengths(query.shape[-2], query.device, group)
-    if min(lengths) < 1:
-        raise ValueError(f"every rank needs at least one token of the sequence; shard lengths {lengths}")
-    ends = torch.tensor(lengths).cumsum(0).tolist()
-    bounds = [(end - n, end) for n, end in zip(lengths, ends)]
     with torch.autocast(query.device.type, enabled=False):
-        bias = band_bias(rpe_bias, band_width, ends[-1])
-        out = sharded_attention(query, key, value, bias, projection, key_padding_mask, causal, variant, logit_scale,
-                                bounds, dist.get_rank(group), group, recompute)
+        out = sharded_attention(query, key, value, rpe_bias, band_width, projection, key_padding_mask, causal, variant,
+                                logit_scale, dist.get_rank(group), group, recompute)
     return out.to(query.dtype)
 
 
-def sharded_attention(query, key, value, bias, projection, key_padding_mask, causal, variant, logit_scale, bounds,
-                      rank, group, recompute=None):
-    """`context_parallel_attention` once the shards are known: `bounds` [(lo, hi)] of every rank, `bias` [H, 2W + 1]
-    (b_r for r = -W .. W, the ends standing for every farther distance)."""
-    band_width = (bias.shape[-1] - 1) // 2
+def sharded_attention(query, key, value, rpe_bias, band_width, projection, key_padding_mask, causal, variant,
+                      logit_scale, rank, group, recompute=None):
+    """`context_parallel_attention` of rank `rank`, autocast off."""
     halo = band_width - 1
     dtype = compute_dtype(query.dtype)
     mask = None if key_padding_mask is None else key_padding_mask.to(device=query.device, dtype=dtype)
     key, value = key.to(dtype), value.to(dtype)
     batch, heads, n, d = value.shape
-    run = _stage_runner(query, key, value, bias, projection, logit_scale, recompute)
+    run = _stage_runner(query, key, value, rpe_bias, projection, logit_scale, recompute)
 
-    # One all-gather: the shard's sum phi_k^T [v | 1] and its edge keys, values and flags (last W - 1, and first
-    # W - 1 unless causal).
+    # One all-gather: the shard's length, its sum phi_k^T [v | 1] and its edge keys, values and flags (last W - 1,
+    # and first W - 1 unless causal: sizes that do not depend on the shards' lengths, read from the same gather).
     state = run(_shard_state, key, value, mask, projection, logit_scale, variant)  # [B, H, m, e]
     keep = value.new_ones(batch, 1, n, 1) if mask is None else mask[:, None, :, None]
     sides = ("left",) if causal else ("left", "right")
     edges = [key, value, keep]
-    parts = [state] + [_edge(x, halo, side) for side in sides for x in edges]
+    parts = [value.new_full((1,), n), state] + [_edge(x, halo, side) for side in sides for x in edges]
     gathered = all_gather(torch.cat([p.flatten() for p in parts]), group)  # [P, F]
     pieces = gathered.split([p.numel() for p in parts], dim=1)
+    lengths = [int(length) for length in pieces[0][:, 0].tolist()]
+    if min(lengths) < 1:
+        raise ValueError(f"every rank needs at least one token of the sequence; shard lengths {lengths}")
+    ends = torch.tensor(lengths).cumsum(0).tolist()
+    bounds = [(end - length, end) for length, end in zip(lengths, ends)]
+    bias = band_bias(rpe_bias, band_width, ends[-1])
     world = gathered.shape[0]
-    states = pieces[0].view(world, *state.shape)
+    states = pieces[1].view(world, *state.shape)
+    pieces = pieces[1:]
     halos = {"right": tuple(x.new_zeros(batch, x.shape[1], 0, x.shape[-1]) for x in edges)}
     for index, side in enumerate(sides):
         owners, rows = halo_index(bounds, rank, halo, side)
@@ -323,12 +322,12 @@ class _BandedProduct(torch.autograd.Function):
 
 
 def communicated_bytes(batch, heads, head_dim, num_features, band_width, world_size, causal=False, element_size=4):
-    """Bytes one rank receives per layer in the forward all-gather: the other ranks' shard sums (m x (d + 1) per
-    head) and edge keys, values ((W - 1) x 2d per head) and padding flags (W - 1), once per side; per sequence,
-    whatever the length."""
+    """Bytes one rank receives per layer in the forward all-gather: the other ranks' shard lengths (one number),
+    shard sums (m x (d + 1) per head) and edge keys, values ((W - 1) x 2d per head) and padding flags (W - 1), once
+    per side; per sequence, whatever the length."""
     sides = 1 if causal else 2
     per_rank = heads * (num_features * (head_dim + 1) + sides * (band_width - 1) * 2 * head_dim) + sides * (band_width - 1)
-    return (world_size - 1) * batch * per_rank * element_size
+    return (world_size - 1) * (batch * per_rank + 1) * element_size
 
 
 def ring_attention_bytes(batch, heads, head_dim, length, world_size, element_size=4):
