@@ -9,18 +9,14 @@ same state in place, for a compiled decode step (`generate(..., cache_implementa
 
 import torch
 
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, EncoderDecoderCache
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, EncoderDecoderCache, StaticCache
 from transformers.masking_utils import create_masks_for_generate
 
-from .functional import nprf_attention
+from .functional import nprf_attention, nprf_attention_weights
 from .nprf_positions import relative_position_bias
 from .nprf_recurrent import (  # noqa: F401  (DECODE_BLOCK, recurrent_attention: public here as before)
-    DECODE_BLOCK,
-    causal_distance_bias,
-    recurrent_attention,
-    recurrent_state_from_prefill,
+    DECODE_BLOCK, causal_distance_bias, key_features_and_values, recurrent_attention, recurrent_state_from_prefill,
     recurrent_step,
-    key_features_and_values,
 )
 from .nprf_terms import AttentionTerms
 from .options import QUADRATIC_VARIANTS
@@ -53,9 +49,7 @@ class NPRFCacheLayer(CacheLayerMixin):
         self.projection_id = None
 
     def lazy_initialization(self, key_states, value_states):
-        raise NotImplementedError(
-            "NPRFCacheLayer builds its state from the prompt (NPRFCache.attend), not from keys and values"
-        )
+        raise NotImplementedError("NPRFCacheLayer builds its state from the prompt (NPRFCache.attend), not from keys")
 
     def update(self, key_states, value_states, *args, **kwargs):
         raise NotImplementedError(
@@ -135,9 +129,42 @@ class NPRFStaticCacheLayer(NPRFCacheLayer):
 
     is_compileable = True
 
-    def __init__(self, **kwargs):
+    def __init__(self, max_cache_len=None, **kwargs):
         super().__init__()
         self.cumulative_length = None
+        self.max_cache_len = max_cache_len  # set: also keep every key (output_attentions=True), up to this length
+        self.key_mask = None
+
+    def get_max_length(self):
+        return -1 if self.max_cache_len is None else self.max_cache_len
+
+    def reset(self):
+        self.__init__(self.max_cache_len)
+
+    def keep_keys(self, key, value, new_mask, start):
+        """With `max_cache_len`: write the new keys, values and their padding [B, L] at positions start.. of
+        [B, H, max_cache_len, d] buffers (allocated at the first call); returns those positions."""
+        batch, heads, length, dim = key.shape
+        if not torch.compiler.is_compiling() and int(start) + length > self.max_cache_len:
+            raise ValueError(f"NPRFStaticCache keeps keys up to max_cache_len={self.max_cache_len}, got "
+                             f"{int(start) + length} tokens")
+        if self.keys is None:
+            self.keys = key.new_zeros(batch, heads, self.max_cache_len, dim)
+            self.values = value.new_zeros(batch, heads, self.max_cache_len, value.shape[-1])
+            self.key_mask = torch.zeros(batch, self.max_cache_len, dtype=torch.bool, device=key.device)
+            if not torch.compiler.is_compiling():
+                for tensor in (self.keys, self.values, self.key_mask):
+                    torch._dynamo.mark_static_address(tensor)
+        positions = torch.arange(length, device=key.device) + start
+        real = torch.ones(batch, length, dtype=torch.bool, device=key.device) if new_mask is None else new_mask
+        self.keys.index_copy_(2, positions, key.to(self.keys.dtype))
+        self.values.index_copy_(2, positions, value.to(self.values.dtype))
+        self.key_mask.index_copy_(1, positions, real)
+        return positions
+
+    def _tensors(self):
+        kept = () if self.keys is None else ("keys", "values", "key_mask")
+        return super()._tensors() + kept
 
     def store(self, far_states, ring_features, ring_values, real_tokens, length):
         if self.has_state and far_states.requires_grad:
@@ -155,9 +182,8 @@ class NPRFStaticCacheLayer(NPRFCacheLayer):
                 for name in self._tensors() + ("cumulative_length",):
                     torch._dynamo.mark_static_address(getattr(self, name))
             return
-        self.far_states.copy_(far_states)
-        self.ring_features.copy_(ring_features)
-        self.ring_values.copy_(ring_values)
+        for name, new in zip(("far_states", "ring_features", "ring_values"), (far_states, ring_features, ring_values)):
+            getattr(self, name).copy_(new)
         self.real_tokens.add_(real_tokens)
         self.cumulative_length.add_(length)
 
@@ -177,23 +203,20 @@ class NPRFStaticCacheLayer(NPRFCacheLayer):
                     torch._dynamo.mark_static_address(new)
 
 
-class NPRFCache(Cache):
-    """Constant-size cache of NPRF decoder self-attention for `generate()`: per layer the far sums S, z and
-    the last W - 1 keys' features and values (`NPRFCacheLayer`), so a generated token costs
-    O(W (m + d) + m d) per head whatever the context length.
-
-    Args:
-        config: the model config (to create one layer per hidden layer up front), or None (layers are
-            added as the attention modules first use them).
-
-    The NPRF self-attention calls `attend(...)` instead of `update(...)`.
-    """
+class NPRFCacheMixin:
+    """What `NPRFCache` and `NPRFStaticCache` share: layers of `layer_class`, one per hidden layer of `config` (or
+    added as the attention modules first use them), and `attend(...)`, which NPRF self-attention calls instead of
+    `update(...)`. `layer_kwargs`: passed to every layer."""
 
     layer_class = NPRFCacheLayer
 
-    def __init__(self, config=None):
-        layers = [self.layer_class() for _ in range(config.num_hidden_layers)] if config is not None else []
-        super().__init__(layers=layers)
+    def __init__(self, config=None, **layer_kwargs):
+        self._layer_kwargs = layer_kwargs
+        layers = [] if config is None else [self.layer_class(**layer_kwargs) for _ in range(config.num_hidden_layers)]
+        Cache.__init__(self, layers=layers)
+
+    def __iter__(self):
+        raise TypeError(f"{type(self).__name__} holds recurrent NPRF state, not a key and a value per layer")
 
     @property
     def is_compileable(self):
@@ -202,29 +225,15 @@ class NPRFCache(Cache):
 
     def layer(self, layer_idx):
         while len(self.layers) <= layer_idx:
-            self.layers.append(self.layer_class())
+            self.layers.append(self.layer_class(**self._layer_kwargs))
         return self.layers[layer_idx]
 
     def nbytes(self, layer_idx=0):
         """Bytes of layer `layer_idx`'s state."""
         return self.layer(layer_idx).nbytes
 
-    def attend(
-        self,
-        layer_idx,
-        query,
-        key,
-        value,
-        key_padding_mask,
-        rpe_table,
-        projection,
-        band_width,
-        num_buckets=32,
-        max_distance=128,
-        algorithm="auto",
-        variant="nprf",
-        terms=None,
-    ):
+    def attend(self, layer_idx, query, key, value, key_padding_mask, rpe_table, projection, band_width, num_buckets=32,
+               max_distance=128, algorithm="auto", variant="nprf", terms=None, output_attentions=False):
         """Causal NPRF attention of the new tokens to everything the layer has seen, advancing its state.
         `variant`: one whose kernel factors into features (`functional.variant_features`).
 
@@ -239,8 +248,10 @@ class NPRFCache(Cache):
             rpe_table: [H, num_buckets] unidirectional bucket table. projection: [H, m, d] or [m, d].
             band_width: W of the unidirectional buckets (`rpe_band_width(..., bidirectional=False)`).
             terms: the layer's optional terms (`nprf_terms.AttentionTerms`); a decoder's apply to the features only.
+            output_attentions: also return the weights [B, H, L, max_cache_len] (zero past the tokens seen), from the
+                keys an NPRFStaticCache built with `max_cache_len` keeps; a ValueError for a cache that keeps none.
         Returns:
-            [B, H, L, d] attention output.
+            [B, H, L, d] attention output (and the weights, with output_attentions).
         """
         terms = AttentionTerms() if terms is None else terms
         if terms.pair_terms:
@@ -255,40 +266,50 @@ class NPRFCache(Cache):
         new_mask = None if mask is None else mask[:, mask.shape[-1] - length :]
         if prefill:  # the fast exact algorithms over the prompt, then the state from its keys
             bias = relative_position_bias(rpe_table, length, False, num_buckets, max_distance)
-            out = nprf_attention(
-                query,
-                key,
-                value,
-                bias,
-                projection,
-                key_padding_mask=mask,
-                algorithm=algorithm,
-                causal=True,
-                band_width=band_width,
-                variant=variant,
-                terms=terms,
-            )
+            out = nprf_attention(query, key, value, bias, projection, key_padding_mask=mask, algorithm=algorithm,
+                                 causal=True, band_width=band_width, variant=variant, terms=terms)
             phi_k, u = key_features_and_values(key, value, new_mask, projection, variant, logit_scale)
             state = recurrent_state_from_prefill(phi_k, u, band_width)
         else:
             state = (layer.far_states, layer.ring_features, layer.ring_values)
             out, state = recurrent_step(query, key, value, new_mask, state, rpe_table, projection, band_width,
                                         num_buckets, max_distance, algorithm, variant, terms)
+        if output_attentions or getattr(layer, "max_cache_len", None) is not None:
+            weights = self._kept_key_weights(layer, layer_idx, query, key, value, new_mask, rpe_table, projection,
+                                             num_buckets, max_distance, variant, terms, output_attentions)
         real = torch.full((batch,), length, device=query.device) if new_mask is None else new_mask.sum(-1)
         layer.store(*state, real, length)
         if not torch.compiler.is_compiling():  # storage ids cannot be traced; generate() keeps the projection anyway
             layer.projection_id = _projection_id(projection)
-        return out
+        return (out, weights) if output_attentions else out
+
+    @staticmethod
+    def _kept_key_weights(layer, layer_idx, query, key, value, new_mask, rpe_table, projection, num_buckets,
+                          max_distance, variant, terms, output_attentions):
+        """Keep the new keys (an NPRFStaticCache with `max_cache_len`) and return the new queries' weights over
+        every kept position, [B, H, L, max_cache_len], from the dense weights of the whole static length."""
+        if getattr(layer, "max_cache_len", None) is None:
+            raise ValueError(
+                f"output_attentions=True needs every past key, which {type(layer).__name__} (layer {layer_idx}) does "
+                "not keep: generate with cache_implementation='static' (keys kept up to the static length), "
+                "'dynamic', or use_cache=False"
+            )
+        positions = layer.keep_keys(key, value, new_mask, layer.get_seq_length())
+        if not output_attentions:
+            return None
+        full = query.new_zeros(*query.shape[:2], layer.max_cache_len, query.shape[-1]).index_copy(2, positions, query)
+        bias = relative_position_bias(rpe_table, layer.max_cache_len, False, num_buckets, max_distance)
+        weights = nprf_attention_weights(full, layer.keys, bias, projection, key_padding_mask=layer.key_mask,
+                                         causal=True, variant=variant, terms=terms)
+        return weights.index_select(2, positions).to(query.dtype)
 
     def _check_call(self, layer, layer_idx, batch, length, key_padding_mask, projection):
         """The key padding mask as bool [B, past + L] or [B, L] (or None); a ValueError for what the state cannot
         honour. Under torch.compile only the shapes are checked: the rest reads the state on the host."""
         if key_padding_mask is not None:
             if key_padding_mask.dim() != 2 or key_padding_mask.shape[0] != batch:
-                raise ValueError(
-                    f"NPRFCache layer {layer_idx}: the key padding mask must be [B={batch}, past + new] or "
-                    f"[B={batch}, new], got {tuple(key_padding_mask.shape)}"
-                )
+                raise ValueError(f"NPRFCache layer {layer_idx}: the key padding mask must be [B={batch}, past + new] "
+                                 f"or [B={batch}, new], got {tuple(key_padding_mask.shape)}")
             key_padding_mask = key_padding_mask.bool()
         if not layer.has_state:
             if key_padding_mask is not None and key_padding_mask.shape[-1] != length:
@@ -298,10 +319,8 @@ class NPRFCache(Cache):
                 )
             return key_padding_mask
         if layer.far_states.shape[0] != batch:
-            raise ValueError(
-                f"NPRFCache layer {layer_idx} holds a batch of {layer.far_states.shape[0]} sequences, "
-                f"got {batch} new ones"
-            )
+            raise ValueError(f"NPRFCache layer {layer_idx} holds a batch of {layer.far_states.shape[0]} sequences, "
+                             f"got {batch} new ones")
         if torch.compiler.is_compiling():
             return key_padding_mask
         if layer.projection_id is not None and layer.projection_id != _projection_id(projection):
@@ -320,9 +339,8 @@ class NPRFCache(Cache):
             )
         if key_padding_mask is not None and key_padding_mask.shape[-1] == length:  # the new tokens only
             return key_padding_mask
-        seen = (
-            torch.full_like(layer.real_tokens, past) if key_padding_mask is None else key_padding_mask[:, :past].sum(-1)
-        )
+        mask = key_padding_mask
+        seen = torch.full_like(layer.real_tokens, past) if mask is None else mask[:, :past].sum(-1)
         if not bool((seen == layer.real_tokens).all()):
             raise ValueError(
                 "the attention mask of the past tokens differs from the one NPRFCache saw when it consumed them (past "
@@ -331,16 +349,30 @@ class NPRFCache(Cache):
         return key_padding_mask
 
 
-class NPRFStaticCache(NPRFCache):
-    """`NPRFCache` whose decode step compiles (`NPRFStaticCacheLayer`): what `generate(...,
-    cache_implementation="static")` builds for an NPRF decoder. The state is constant-size anyway, so nothing
-    is sized for a maximum length: one compiled step serves every context length.
+class NPRFCache(NPRFCacheMixin, DynamicCache):
+    """Constant-size cache of NPRF decoder self-attention for `generate()`: per layer the far sums S, z and the
+    last W - 1 keys' features and values (`NPRFCacheLayer`), so a generated token costs O(W (m + d) + m d) per head
+    whatever the context length. A `DynamicCache` to transformers (its default cache, which generate() does not
+    compile), though it keeps no keys. config: the model config (one layer per hidden layer), or None (layers
+    added as first used)."""
+
+
+class NPRFStaticCache(NPRFCacheMixin, StaticCache):
+    """`NPRFCache`'s state written in place, so that the decode step compiles (`NPRFStaticCacheLayer`): what
+    `generate(..., cache_implementation="static")` builds for an NPRF decoder, a `StaticCache` to transformers.
+    The state is constant-size, so nothing is sized for a maximum length: one compiled step serves every context
+    length. Only with `max_cache_len` (generate()'s static length, when `output_attentions=True`) does it also keep
+    every key and value, [B, H, max_cache_len, d], for the attention weights.
 
     Args:
         config: the model config (one layer per hidden layer), or None (layers added as first used).
+        max_cache_len: None (no keys kept), or the static length up to which keys are kept.
     """
 
     layer_class = NPRFStaticCacheLayer
+
+    def __init__(self, config=None, max_cache_len=None):
+        super().__init__(config, max_cache_len=max_cache_len)
 
 
 def _projection_id(projection):
@@ -350,20 +382,21 @@ def _projection_id(projection):
 
 
 def find_nprf_cache(past_key_values):
-    """The NPRFCache in `past_key_values` (itself, or the self-attention part of an EncoderDecoderCache), or None."""
+    """The NPRFCache / NPRFStaticCache in `past_key_values` (itself, or the self-attention part of an
+    EncoderDecoderCache), or None."""
     cache = getattr(past_key_values, "self_attention_cache", past_key_values)
-    return cache if isinstance(cache, NPRFCache) else None
+    return cache if isinstance(cache, NPRFCacheMixin) else None
 
 
-def default_decoder_cache(config, cross_attention=False, static=False):
+def default_decoder_cache(config, cross_attention=False, static=False, max_cache_len=None):
     """The cache an NPRF decoder uses when none is given: an NPRFCache for the self-attention (an NPRFStaticCache
-    when `static`: a compileable decode step), with a DynamicCache for HF's softmax cross-attention when the
-    decoder reads encoder states; for the exact (quadratic) attention variants, whose kernel has no features to
-    sum, HF's growing key/value cache."""
+    when `static`: a compileable decode step, keeping every key up to `max_cache_len` if given), with a
+    DynamicCache for HF's softmax cross-attention when the decoder reads encoder states; for the exact (quadratic)
+    attention variants, whose kernel has no features to sum, HF's growing key/value cache."""
     if config.attention_variant in QUADRATIC_VARIANTS:
         cache = DynamicCache(config=config)
     else:
-        cache = NPRFStaticCache(config) if static else NPRFCache(config)
+        cache = NPRFStaticCache(config, max_cache_len) if static else NPRFCache(config)
     return EncoderDecoderCache(cache, DynamicCache(config=config)) if cross_attention else cache
 
 
@@ -375,8 +408,9 @@ class NPRFGenerationMixin:
     that transformers compiles the decode step (on CUDA, or wherever `compile_config._compile_all_devices`), one
     graph for every context length. `cache_implementation="dynamic"` (or a Cache passed as `past_key_values`)
     keeps HF's growing key/value cache, which NPRF attention also accepts (it then recomputes the attention over
-    all cached keys at every step). Assisted generation needs a cache that can be cropped and
-    `output_attentions=True` every past key, so both keep the dynamic cache too.
+    all cached keys at every step). Assisted generation needs a cache that can be cropped, so it keeps the dynamic
+    cache too; so does `output_attentions=True` (every past key) unless `cache_implementation="static"`, whose
+    NPRFStaticCache then also keeps the keys, up to the static length.
     """
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, *args, **kwargs):
@@ -394,8 +428,6 @@ class NPRFGenerationMixin:
             reason = None
             if self.config.attention_variant in QUADRATIC_VARIANTS:
                 reason = f"attention_variant={self.config.attention_variant!r} weighs every past key (no constant-size state)"
-            elif generation_config.output_attentions:
-                reason = "output_attentions=True needs every past key"
             elif assisted:
                 reason = "assisted generation rolls the cache back, which the far sums S, z cannot"
             if reason is not None:
@@ -403,15 +435,16 @@ class NPRFGenerationMixin:
                     f"cache_implementation='static' (NPRFStaticCache) cannot serve this call: {reason}; use "
                     "cache_implementation='dynamic'"
                 )
-        if (
-            builds
-            and implementation in (None, "static")
-            and not assisted
-            and not generation_config.output_attentions  # the weights of every step need every past key
-        ):
+        # the weights of every step need every past key: a dynamic cache, or a static one that keeps them
+        keys_needed = bool(generation_config.output_attentions)
+        if builds and not assisted and (implementation == "static" or (implementation is None and not keys_needed)):
+            max_cache_len = None
+            if keys_needed:  # transformers' static length: (batch_size, max_cache_length) follow generation_mode
+                max_cache_len = kwargs.get("max_cache_length", args[1] if len(args) > 1 else None)
+                max_cache_len = max(max_cache_len, generation_config.max_cache_len or 0)
             cross_attention = model_kwargs.get("encoder_hidden_states") is not None
             model_kwargs["past_key_values"] = default_decoder_cache(
-                self.config, cross_attention, static=implementation == "static"
+                self.config, cross_attention, static=implementation == "static", max_cache_len=max_cache_len
             )
             return
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, *args, **kwargs)
@@ -429,16 +462,8 @@ class NPRFGenerationMixin:
             )
         return create_masks_for_generate(config, inputs_embeds, attention_mask, past_key_values, *args, **kwargs)
 
-    def prepare_inputs_for_generation(
-        self,
-        input_ids,
-        next_sequence_length=None,
-        past_key_values=None,
-        attention_mask=None,
-        inputs_embeds=None,
-        is_first_iteration=False,
-        **kwargs,
-    ):
+    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, past_key_values=None,
+                                      attention_mask=None, inputs_embeds=None, is_first_iteration=False, **kwargs):
         """transformers' inputs of one step, with `position_ids` in the numbering of the embeddings.
 
         generate() keeps position ids in its own convention, `attention_mask.cumsum(-1) - 1` (from 0 over the real
@@ -448,13 +473,8 @@ class NPRFGenerationMixin:
         see what a forward pass without position_ids sees.
         """
         model_inputs = super().prepare_inputs_for_generation(
-            input_ids,
-            next_sequence_length=next_sequence_length,
-            past_key_values=past_key_values,
-            attention_mask=attention_mask,
-            inputs_embeds=inputs_embeds,
-            is_first_iteration=is_first_iteration,
-            **kwargs,
+            input_ids, next_sequence_length=next_sequence_length, past_key_values=past_key_values,
+            attention_mask=attention_mask, inputs_embeds=inputs_embeds, is_first_iteration=is_first_iteration, **kwargs
         )
         position_ids = model_inputs.get("position_ids")
         padding_idx = getattr(getattr(self.base_model, "embeddings", None), "padding_idx", None)

@@ -42,12 +42,13 @@ import torch
 import transformers
 from torch import nn
 from torch.nn import functional as F
+from typing_extensions import Unpack  # typing.Unpack from Python 3.11
 
 from transformers import GenerationMixin, PreTrainedConfig
 from transformers import initialization as init
 from transformers.cache_utils import EncoderDecoderCache
 from transformers.masking_utils import create_bidirectional_mask
-from transformers.utils import logging
+from transformers.utils import TransformersKwargs, logging
 
 from .cache_nprf import NPRFGenerationMixin, default_decoder_cache, find_nprf_cache
 from .configuration_nprf import NPRF_CONFIG_CLASSES, validate_nprf_fields
@@ -311,11 +312,13 @@ class NPRFSelfAttention(nn.Module):
 
         nprf_cache = find_nprf_cache(past_key_values)
         if nprf_cache is not None:
-            attn_output = self._recurrent_attention(nprf_cache, query, key, value, attention_mask, rpe_table, kwargs)
+            attn_output, attn_weights = self._recurrent_attention(
+                nprf_cache, query, key, value, attention_mask, rpe_table, kwargs
+            )
             attn_output = attn_output.transpose(1, 2).reshape(*input_shape, -1).contiguous()
             if layout.output is not None:
                 attn_output = getattr(self, layout.output)(attn_output)
-            return attn_output, None
+            return attn_output, attn_weights
 
         if past_key_values is not None:
             cache = past_key_values
@@ -415,17 +418,15 @@ class NPRFSelfAttention(nn.Module):
 
     def _recurrent_attention(self, cache, query, key, value, attention_mask, rpe_table, kwargs):
         """Decoder self-attention through an NPRFCache (`cache_nprf`): constant cost per generated token.
-        query / key / value [B, H, Lq, d] of the new tokens -> [B, H, Lq, d]."""
+        query / key / value [B, H, Lq, d] of the new tokens -> ([B, H, Lq, d], the weights [B, H, Lq, Lk] with
+        output_attentions, from an NPRFStaticCache that keeps the keys, or None)."""
         if not self.is_causal:
             raise ValueError("NPRFCache is for decoder self-attention (config.is_decoder=True)")
         if context_parallel_group() is not None:  # the cache holds one process's whole sequence
             raise ValueError("context_parallel: run decoders with use_cache=False (NPRFCache decodes on one process)")
         output_attentions = kwargs.get("output_attentions")
-        if output_attentions or (output_attentions is None and getattr(self.config, "output_attentions", False)):
-            raise ValueError(
-                "output_attentions=True needs every past key, which NPRFCache does not keep: generate with "
-                "cache_implementation='dynamic' (or use_cache=False) to get attention weights"
-            )
+        if output_attentions is None:
+            output_attentions = getattr(self.config, "output_attentions", False)
         table = self.bucket_table(rpe_table)
         query_length = query.shape[2]
         if attention_mask is None or attention_mask.dim() == 2:
@@ -442,7 +443,7 @@ class NPRFSelfAttention(nn.Module):
                     "NPRFCache applies padding masks (with the causal pattern) only; for another attention mask use "
                     "cache_implementation='dynamic' or use_cache=False"
                 )
-        return cache.attend(
+        result = cache.attend(
             self.layer_idx,
             query,
             key,
@@ -456,7 +457,9 @@ class NPRFSelfAttention(nn.Module):
             algorithm=self.config.attention_algorithm,
             variant=self.config.attention_variant,
             terms=self.attention_terms(),
+            output_attentions=bool(output_attentions),
         )
+        return result if output_attentions else (result, None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -901,7 +904,7 @@ class NPRFBertModel(NPRFModelMixin, NPRFBertPreTrainedModel, transformers.BertMo
         encoder_attention_mask=None,
         past_key_values=None,
         use_cache=None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ):
         """As [`BertModel.forward`]: the same parameters and outputs, with NPRF self-attention."""
         return self._nprf_forward(
@@ -991,7 +994,7 @@ class NPRFRobertaModel(NPRFModelMixin, NPRFRobertaPreTrainedModel, transformers.
         encoder_attention_mask=None,
         past_key_values=None,
         use_cache=None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ):
         """As [`RobertaModel.forward`]: the same parameters and outputs, with NPRF self-attention."""
         return self._nprf_forward(
@@ -1092,7 +1095,7 @@ class NPRFXLMRobertaModel(NPRFModelMixin, NPRFXLMRobertaPreTrainedModel, transfo
         encoder_attention_mask=None,
         past_key_values=None,
         use_cache=None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ):
         """As [`XLMRobertaModel.forward`]: the same parameters and outputs, with NPRF self-attention."""
         return self._nprf_forward(
@@ -1199,7 +1202,7 @@ class NPRFElectraModel(NPRFModelMixin, NPRFElectraPreTrainedModel, transformers.
         encoder_attention_mask=None,
         past_key_values=None,
         use_cache=None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ):
         """As [`ElectraModel.forward`]: the same parameters and outputs, with NPRF self-attention."""
         return self._nprf_forward(
@@ -1304,7 +1307,7 @@ class NPRFDistilBertModel(NPRFModelMixin, NPRFDistilBertPreTrainedModel, transfo
         attention_mask=None,
         inputs_embeds=None,
         position_ids=None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ):
         """As [`DistilBertModel.forward`]: the same parameters and outputs, with NPRF self-attention."""
         return self._nprf_forward(

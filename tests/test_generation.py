@@ -20,7 +20,7 @@ from nprf_hf.cache_nprf import (
 from nprf_hf.functional import relative_position_bias, rpe_band_width
 from nprf_hf.nprf_features import values_and_ones
 from nprf_hf.nprf_positions import toeplitz_matrix
-from transformers import CompileConfig, DynamicCache
+from transformers import CompileConfig, DynamicCache, StaticCache
 
 from conftest import tiny_nprf_config
 
@@ -338,12 +338,41 @@ def test_cache_implementations_without_a_constant_size_state_are_refused():
     for implementation in ("offloaded_static", "sliding_window"):
         with pytest.raises(ValueError, match=f"cache_implementation='{implementation}' is not supported"):
             model.generate(input_ids, cache_implementation=implementation, **kwargs)
-    with pytest.raises(ValueError, match="'static' .* output_attentions=True needs every past key"):
-        model.generate(input_ids, cache_implementation="static", output_attentions=True, return_dict_in_generate=True,
-                       **kwargs)
     exact = decoder(attention_variant="softmax")
     with pytest.raises(ValueError, match="'static' .* attention_variant='softmax' weighs every past key"):
         exact.generate(input_ids, cache_implementation="static", **kwargs)
+
+
+def test_static_cache_keeps_the_keys_for_output_attentions(fresh_dynamo):
+    # test_generate_compilation_all_outputs (issue 47): with output_attentions=True, cache_implementation="static"
+    # keeps every key up to the static length, as transformers' StaticCache does (only then: the state alone
+    # otherwise); the weights are those of the dynamic cache, zero past the tokens seen, compiled or not
+    model = decoder(dtype=torch.float32, position_embedding_type="absolute", max_position_embeddings=80, seed=3)
+    input_ids, mask = left_padded((30, 17), 30)
+    kwargs = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=1, return_dict_in_generate=True,
+                  output_attentions=True, output_scores=True)
+    dynamic = model.generate(input_ids, **kwargs)
+    assert isinstance(dynamic.past_key_values, DynamicCache) and not isinstance(dynamic.past_key_values, NPRFCache)
+    plain = model.generate(input_ids, cache_implementation="static", **{**kwargs, "output_attentions": False})
+    assert plain.past_key_values.layers[0].keys is None  # no keys kept without output_attentions
+    for compile_config in (None, forced_compile_config()):
+        static = model.generate(input_ids, cache_implementation="static", compile_config=compile_config, **kwargs)
+        cache = static.past_key_values
+        assert isinstance(cache, StaticCache) and isinstance(cache, NPRFStaticCache)
+        assert hasattr(model, "_compiled_call") == (compile_config is not None)
+        assert cache.get_max_length() == 33 and cache.layers[0].keys.shape == (2, 2, 33, 16)
+        assert_same_generation(static, dynamic, atol=1e-5)
+        for step, (got, expected) in enumerate(zip(static.attentions, dynamic.attentions)):
+            for layer_got, layer_expected in zip(got, expected):
+                seen = layer_expected.shape[-1]
+                assert layer_got.shape == (*layer_expected.shape[:-1], 33)
+                torch.testing.assert_close(layer_got[..., :seen], layer_expected, rtol=0, atol=1e-5)
+                assert not layer_got[..., seen:].any()
+    # the default cache keeps no key: attention weights from it are refused, not made up
+    cache = model(input_ids, attention_mask=mask, past_key_values=NPRFStaticCache(model.config)).past_key_values
+    with pytest.raises(ValueError, match="output_attentions=True needs every past key"):
+        model(input_ids[:, :1], attention_mask=torch.cat([mask, mask[:, :1]], 1), past_key_values=cache,
+              output_attentions=True)
 
 
 def test_absolute_positions_are_numbered_as_in_a_forward_pass():

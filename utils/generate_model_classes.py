@@ -54,7 +54,10 @@ def parameters(function, by_name=True):
             definition.append(f"*{name}")
             call.append(f"*{name}")
         elif parameter.kind is parameter.VAR_KEYWORD:
-            definition.append(f"**{name}")
+            # transformers' `**kwargs: Unpack[TransformersKwargs]`: its tests read the annotation (which kwargs the
+            # forward takes, e.g. output_attentions)
+            typed = "TransformersKwargs" in repr(parameter.annotation)
+            definition.append(f"**{name}: Unpack[TransformersKwargs]" if typed else f"**{name}")
             call.append(f"**{name}")
         else:
             if parameter.kind is parameter.KEYWORD_ONLY and not any(d.startswith("*") for d in definition):
