@@ -9,11 +9,11 @@ Rank p holds the contiguous shard [lo, hi) of the N tokens (the ranks in order).
     keys before / after that window: c_far^- phi_q . S^- and c_far^+ phi_q . S^+, where S^-/+ are the sums
         phi_k [v | 1]^T (m x (d_v + 1) per head) of those keys.
 
-One collective per layer brings both: an all-gather of every rank's shard sum phi_k^T [v | 1] and of its first and
-last W - 1 keys, values and padding flags (a halo wider than a neighbour's shard reads the shards beyond it; the
-receiver maps the keys itself: d numbers a key, not m). S^- is the
-gathered sums of the shards before this one minus the left halo's (counted exactly already), S^+ likewise;
-causal attention drops the keys after the query (no right halo, no S^+). The all-gather is differentiable, so the
+One collective per layer brings both: an all-gather of every rank's shard length, shard sum phi_k^T [v | 1] and
+first and last W - 1 keys, values and padding flags (a halo wider than a neighbour's shard reads the shards beyond
+it; the receiver maps the keys itself: d numbers a key, not m). S^- is the gathered sums of the shards before this
+one minus the left halo's (counted exactly already), S^+ likewise; causal attention drops the keys after the query
+(no right halo, no S^+). The all-gather is differentiable, so the
 gradients summed over the ranks (as DDP and FSDP sum them) are one process's. Softmax's ring attention passes every
 shard's K and V around the ring instead: (P - 1) / P x N x d x 2 per head and rank, growing with N.
 
@@ -53,8 +53,8 @@ def context_parallel(group=None):
     Each rank passes its contiguous shard of every sequence (`input_ids[:, lo:hi]`, the ranks in order; equal
     shards except the last, or any lengths >= 1) and gets its shard of the one-process outputs: position ids and
     the relative position bias follow global positions. Gradients summed over the ranks equal one process's. A
-    decoder runs with `use_cache=False`; with gradient checkpointing, call backward inside the block (the
-    recomputed layers must shard too). Attention weights (`output_attentions`), general 4D masks and the segment /
+    decoder runs with `use_cache=False`. Gradient checkpointing (untested) recomputes layers in backward, which
+    must then run inside the block too. Attention weights (`output_attentions`), general 4D masks and the segment /
     word-matching / first-key terms are not supported.
     """
     if not (dist.is_available() and dist.is_initialized()):
@@ -152,8 +152,8 @@ def halo_index(bounds, rank, halo, side):
 
 
 def _edge(x, halo, side):
-    """[B, H, halo, f]: the first (right: what a later rank's halo reads) or last (left) `halo` rows of x
-    [B, H, n, f], zero rows filling a shard shorter than the halo on the far side."""
+    """[B, H, halo, f]: the last (side "left": what later ranks' left halos read) or first ("right": what earlier
+    ranks' right halos read) `halo` rows of x [B, H, n, f], zero rows filling a shard shorter than the halo."""
     n = x.shape[-2]
     rows = x[:, :, n - min(halo, n):] if side == "left" else x[:, :, : min(halo, n)]
     pad = x.new_zeros(*x.shape[:2], halo - rows.shape[-2], x.shape[-1])
