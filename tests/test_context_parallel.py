@@ -213,6 +213,52 @@ def test_models_on_shards_equal_one_process(tmp_path):
                 assert error <= TOLERANCE, f"rank {rank} {name} {what}: relative error {error:.2e}"
 
 
+def minilm_worker(rank, world_size, port, out_dir, path):
+    """The converted MiniLM (T5's default buckets: a band of 91), as an encoder and made a decoder, on its shard."""
+    import torch.distributed as dist
+
+    import nprf_hf
+
+    init(rank, world_size, port)
+    report = {}
+    n = 300
+    for decoder in (False, True):
+        model = nprf_hf.convert_to_nprf(path, head="model", is_decoder=decoder).eval()
+        generator = torch.Generator().manual_seed(0)
+        input_ids = torch.randint(1000, 20000, (2, n), generator=generator)
+        attention_mask = torch.ones(2, n, dtype=torch.long)
+        attention_mask[1, 220:] = 0  # right padding
+        parameters = [p for p in model.parameters() if p.requires_grad]
+        want = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        grad_out = torch.randn(want.shape, generator=generator)
+        want_grads = torch.autograd.grad(want, parameters, grad_out, allow_unused=True)
+        lo, hi = shard(n, world_size, rank)
+        with nprf_hf.context_parallel():
+            got = model(input_ids=input_ids[:, lo:hi], attention_mask=attention_mask[:, lo:hi], use_cache=False)
+        got = got.last_hidden_state
+        got_grads = torch.autograd.grad(got, parameters, grad_out[:, lo:hi], allow_unused=True)
+        flat = lambda grads: torch.cat([  # noqa: E731
+            (torch.zeros_like(p) if g is None else g).flatten() for g, p in zip(grads, parameters)
+        ])
+        got_flat = flat(got_grads)
+        dist.all_reduce(got_flat)
+        name = "decoder" if decoder else "encoder"
+        report[name] = {"output": relative_error(got, want[:, lo:hi]), "gradients": relative_error(got_flat, flat(want_grads))}
+    with open(os.path.join(out_dir, f"{rank}.json"), "w") as handle:
+        json.dump(report, handle)
+    dist.destroy_process_group()
+
+
+def test_converted_minilm_on_shards_equals_one_process(tmp_path):
+    from conftest import minilm_path
+
+    for rank, report in enumerate(spawn(minilm_worker, 2, tmp_path, minilm_path())):
+        assert set(report) == {"encoder", "decoder"}
+        for name, errors in report.items():
+            for what, error in errors.items():
+                assert error <= TOLERANCE, f"rank {rank} MiniLM {name} {what}: relative error {error:.2e}"
+
+
 def test_decoder_cache_refused_inside_context_parallel():
     """An NPRFCache decodes one process's whole sequence: inside `context_parallel` a decoder says to drop it."""
     import nprf_hf
