@@ -243,6 +243,53 @@ def past_budget(log, point):
     return True
 
 
+def profile_part(s, device, dtype, log, path):
+    """Where the time of the shortest points goes: torch.profiler over one attention forward + backward at 4,096
+    tokens and one training step of the model at 8 x 512 (kernels' device time against the wall), as a text table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from nprf_hf import functional as Fn
+
+    heads, d, m = s["heads"], s["head_dim"], s["features"]
+    n = min(4096, max(s["lengths"]))
+    q, k, v = (torch.randn(1, heads, n, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    bias = Fn.relative_position_bias(torch.randn(heads, 32, device=device), n)
+    projection = Fn.draw_projection(m, d, device=device)
+    width = Fn.rpe_band_width()
+
+    def attention():
+        Fn.nprf_attention(q, k, v, bias, projection, algorithm="triton", band_width=width).sum().backward()
+
+    nprf, _ = build_models(s, device, dtype, 512)
+    nprf.train()
+    batch, length = (8, 512) if s is not TINY else (2, 24)
+    ids = torch.randint(3, s["vocab"], (batch, length), device=device)
+
+    def step():
+        nprf(input_ids=ids, labels=ids).loss.backward()
+        nprf.zero_grad(set_to_none=True)
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    lines = []
+    for name, fn in (("attention fwd+bwd, n=%d" % n, attention), ("model training step %dx%d" % (batch, length), step)):
+        fn()
+        synchronize(device)
+        start = time.perf_counter()
+        with profile(activities=activities) as prof:
+            fn()
+            synchronize(device)
+        wall = time.perf_counter() - start
+        events = prof.key_averages()
+        device_us = sum(e.self_device_time_total for e in events) if device.type == "cuda" else 0.0
+        lines.append(f"== {name}: wall {wall * 1e3:.2f} ms (profiled), device busy {device_us / 1e3:.2f} ms, "
+                     f"{sum(e.count for e in events if e.device_type.name == 'CUDA')} kernels")
+        sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        lines.append(events.table(sort_by=sort, row_limit=25))
+        log(lines[-2])
+    with open(path, "w") as handle:
+        handle.write("\n".join(lines))
+
+
 def device_name(device):
     return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
 
@@ -273,6 +320,7 @@ def parse_args(argv=None):
     parser.add_argument("--output", default=DEFAULT_OUTPUT, help="JSON to write (a .png plot beside it)")
     parser.add_argument("--tiny", action="store_true", help="toy sizes on the CPU through Triton's interpreter")
     parser.add_argument("--quick", action="store_true", help="fewer lengths, repeats and tiles (a short device loan)")
+    parser.add_argument("--profile", action="store_true", help="also profile the shortest points (a .txt beside the JSON)")
     parser.add_argument("--parts", nargs="+", default=["attention", "model", "decode"],
                         choices=["attention", "model", "decode"])
     parser.add_argument("--budget-s", nargs=3, type=float, default=[210.0, 150.0, 90.0], metavar=("ATTN", "MODEL", "DECODE"),
@@ -321,6 +369,11 @@ def main(argv=None):
         results["total_s"] = time.perf_counter() - started
         with open(args.output, "w") as handle:  # after every part: a run cut short keeps what it measured
             json.dump(results, handle, indent=1)
+    if args.profile:
+        try:
+            profile_part(sizes, device, dtype, log, os.path.splitext(args.output)[0] + "_profile.txt")
+        except Exception as error:  # noqa: BLE001
+            log(f"profile failed: {type(error).__name__}: {error}")
     if "attention" in results:
         plot(results, os.path.splitext(args.output)[0] + ".png")
     log(f"wrote {args.output}")

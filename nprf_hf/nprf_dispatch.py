@@ -54,8 +54,11 @@ def resolve_algorithm(algorithm, bias, n, band_width, m, e, inference=False):
     """Pick the algorithm for `auto` (`inference`: no autograd, whose dense-banded crossover is measured apart) and
     the band width for `banded`."""
     tied = band_width is not None
-    if tied and algorithm in ("auto", "banded", "triton") and not torch.compiler.is_compiling():
-        inferred = infer_band_width(bias.detach(), n)  # a host sync: checked in eager mode only
+    # the check is a host sync: eager mode only, and not for the kernels on a GPU, where a sync per layer stalls the
+    # queue they keep full (a model passes the band of its own bucket table, right by construction)
+    check = not torch.compiler.is_compiling() and not (algorithm == "triton" and bias.device.type == "cuda")
+    if tied and algorithm in ("auto", "banded", "triton") and check:
+        inferred = infer_band_width(bias.detach(), n)
         if inferred > band_width:
             raise ValueError(
                 f"band_width={band_width} but rpe_bias is not constant beyond it (it varies up to |r| = {inferred - 1})"
