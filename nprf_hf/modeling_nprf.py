@@ -42,7 +42,10 @@ import torch
 import transformers
 from torch import nn
 from torch.nn import functional as F
-from typing_extensions import Unpack  # typing.Unpack from Python 3.11
+try:  # (inside try: transformers' remote-code import check then asks for no package beyond torch and itself)
+    from typing import Unpack  # Python 3.11+
+except ImportError:
+    from typing_extensions import Unpack
 
 from transformers import GenerationMixin, PreTrainedConfig
 from transformers import initialization as init

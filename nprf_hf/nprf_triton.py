@@ -195,7 +195,7 @@ class _TritonProduct(torch.autograd.Function):
         query_prefix, query_prefix_sums = _prefix(query_states), _prefix(query_sums)
         dq = torch.empty(s["batch"], s["heads"], s["n"], s["d"], device=query.device, dtype=torch.float32)
         dk, dv = torch.empty_like(dq), torch.empty(*dq.shape[:3], s["dv"], device=query.device, dtype=torch.float32)
-        dc = torch.zeros_like(c)
+        dc = c.new_zeros(s["batch"], *c.shape)  # [B, H, 2n - 1], summed over the batch below
         droot = torch.zeros_like(root)
         strides = (*query.stride(), *key.stride(), *value.stride(), stride_mb)
         nprf_query_grad_kernel[grid](
@@ -207,7 +207,8 @@ class _TritonProduct(torch.autograd.Function):
             query, key, value, projection, mask, root, c, query_prefix, query_prefix_sums, g, delta, dk, dv, droot,
             *strides, *sizes, reach, log_m_half, CAUSAL=causal, HAS_MASK=has_mask, **common,
         )
-        return (dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), dc, droot, None, None, None, None, None)
+        return (dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), dc.sum(0), droot, None, None, None, None,
+                None)
 
 
 def triton_decode_step(query, key, value, new_mask, state, c, projection, logit_scale):

@@ -236,7 +236,7 @@ def nprf_query_grad_kernel(
     phi_q, y, inverse, g, delta = _query_block(Q, G, DELTA, b, h, bh, rows_q, stride_qb, stride_qh, stride_qn,
                                                stride_qd, w, root, N, D, DV, M, log_m_half, EPS, HALF, BD, BV)
     c_row = C + h * (2 * N - 1)
-    dc_row = DC + h * (2 * N - 1)
+    dc_row = DC + bh * (2 * N - 1)  # a row per sequence: the batch's atomics do not contend
     lo = tl.maximum(block - REACH, 0)
     hi = tl.minimum(block + REACH, NC - 1)
     if CAUSAL:
