@@ -25,10 +25,10 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
-from .nprf_banded import banded_toeplitz_attention, banded_toeplitz_backward
+from .nprf_banded import banded_toeplitz_attention
+from .nprf_banded_recompute import _BandedBackward
 from .nprf_features import compute_dtype, normalize_attention, query_key_features, values_and_ones, variant_features
 from .nprf_positions import masked_bias
 
@@ -301,24 +301,15 @@ def _window_attention(query, key, value, mask, left_k, left_v, left_keep, right_
     return normalize_attention(out[..., :-1], out[..., -1:])
 
 
-class _BandedProduct(torch.autograd.Function):
-    """`banded_toeplitz_attention` that keeps only its inputs: its backward (`banded_toeplitz_backward`) works one
-    sequence and head at a time, so a layer's backward holds one head's chunk buffers, not every head's."""
+class _BandedProduct(_BandedBackward):
+    """`banded_toeplitz_attention` that keeps only its inputs: its backward (`banded_toeplitz_backward`, inherited)
+    works one sequence and head at a time, so a layer's backward holds one head's chunk buffers, not every head's."""
 
     @staticmethod
     def forward(ctx, phi_q, phi_k, value, c, band_width, causal):
         ctx.save_for_backward(phi_q, phi_k, value, c)
         ctx.band_width, ctx.causal = band_width, causal
         return banded_toeplitz_attention(phi_q, phi_k, value, c, band_width, causal)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out):
-        phi_q, phi_k, value, c = ctx.saved_tensors
-        grads = banded_toeplitz_backward(
-            phi_q, phi_k, value, c, ctx.band_width, ctx.causal, grad_out.contiguous(), ctx.needs_input_grad[3]
-        )
-        return (*grads, None, None)
 
 
 def communicated_bytes(batch, heads, head_dim, num_features, band_width, world_size, causal=False, element_size=4):
