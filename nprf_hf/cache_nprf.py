@@ -453,7 +453,11 @@ class NPRFGenerationMixin:
         """The attention mask of one step when the cache is compileable (transformers builds it here then).
         An NPRF cache reads only the new tokens' padding: the last L columns of the 2D mask, [B, L], one shape at
         every decode step (no recompile as the context grows) where transformers would build a 4D mask over a
-        maximum length. Args as `transformers.masking_utils.create_masks_for_generate`; inputs_embeds [B, L, *]."""
+        maximum length; and no mask without padding (generate() drops an all-ones mask; for a compileable cache
+        transformers would build a 4D causal one, which a compiled step cannot tell from a general mask). Args as
+        `transformers.masking_utils.create_masks_for_generate`; inputs_embeds [B, L, *]."""
+        if find_nprf_cache(past_key_values) is not None and attention_mask is None:
+            return None
         if find_nprf_cache(past_key_values) is not None and attention_mask is not None and attention_mask.dim() == 2:
             # a copy: the slice's strides follow the growing mask, which a compiled step would recompile for
             # (transformers < 5.2x passes the result on as it is)

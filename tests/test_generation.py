@@ -564,6 +564,19 @@ def test_compiled_static_generation_equals_eager_without_recompiling(fresh_dynam
     assert counters["stats"]["unique_graphs"] == 1  # the decode step, for every context length
 
 
+def test_compiled_static_generation_without_padding(fresh_dynamo):
+    # issue 47 (test_generate_compile_model_forward_fullgraph, inputs without padding): generate() drops an all-ones
+    # mask, and for a compileable cache transformers would build a 4D causal mask, a graph break under fullgraph
+    model = decoder(dtype=torch.float32, seed=3)
+    input_ids = torch.randint(3, TINY["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(0))
+    kwargs = dict(attention_mask=torch.ones_like(input_ids), max_new_tokens=4, do_sample=False, pad_token_id=1,
+                  return_dict_in_generate=True, output_scores=True)
+    eager = model.generate(input_ids, **kwargs)
+    compiled = model.generate(input_ids, cache_implementation="static", compile_config=forced_compile_config(), **kwargs)
+    assert hasattr(model, "_compiled_call")
+    assert_same_generation(compiled, eager, atol=1e-5)
+
+
 @pytest.mark.parametrize("positions", ["explicit", "implicit"])
 def test_compiled_forward_decodes_without_recompiling_float64(positions, fresh_dynamo):
     # torch.compile(model.forward, fullgraph=True) on decode steps through an NPRFStaticCache: one graph from the

@@ -28,7 +28,7 @@ if _MISSING:
 # the marks transformers' test files use (its own conftest.py registers them)
 _config = getattr(pytest.mark, "_config", None)
 for _mark in ("generate", "torch_compile_test", "torch_export_test", "onnx_export_test", "executorch_export_test",
-              "timeout", "flash_attn_test", "slow"):
+              "timeout", "flash_attn_test", "flash_attn_3_test", "flash_attn_4_test", "accelerate_tests", "slow"):
     if _config is not None:
         _config.addinivalue_line("markers", f"{_mark}: transformers' test mark")
 
