@@ -360,14 +360,9 @@ class NPRFCache(NPRFCacheMixin, DynamicCache):
 class NPRFStaticCache(NPRFCacheMixin, StaticCache):
     """`NPRFCache`'s state written in place, so that the decode step compiles (`NPRFStaticCacheLayer`): what
     `generate(..., cache_implementation="static")` builds for an NPRF decoder, a `StaticCache` to transformers.
-    The state is constant-size, so nothing is sized for a maximum length: one compiled step serves every context
-    length. Only with `max_cache_len` (generate()'s static length, when `output_attentions=True`) does it also keep
-    every key and value, [B, H, max_cache_len, d], for the attention weights.
-
-    Args:
-        config: the model config (one layer per hidden layer), or None (layers added as first used).
-        max_cache_len: None (no keys kept), or the static length up to which keys are kept.
-    """
+    The state is constant-size: one compiled step serves every context length. Only with `max_cache_len`
+    (generate()'s static length, when `output_attentions=True`) does it also keep every key and value,
+    [B, H, max_cache_len, d], for the attention weights. config: as NPRFCache's."""
 
     layer_class = NPRFStaticCacheLayer
 
@@ -424,17 +419,11 @@ class NPRFGenerationMixin:
         assisted = getattr(generation_mode, "value", generation_mode) == "assisted_generation"
         assisted = assisted or generation_config.is_assistant
         builds = model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False
-        if builds and implementation == "static":
-            reason = None
-            if self.config.attention_variant in QUADRATIC_VARIANTS:
-                reason = f"attention_variant={self.config.attention_variant!r} weighs every past key (no constant-size state)"
-            elif assisted:
-                reason = "assisted generation rolls the cache back, which the far sums S, z cannot"
-            if reason is not None:
-                raise ValueError(
-                    f"cache_implementation='static' (NPRFStaticCache) cannot serve this call: {reason}; use "
-                    "cache_implementation='dynamic'"
-                )
+        if builds and implementation == "static" and (assisted or self.config.attention_variant in QUADRATIC_VARIANTS):
+            reason = "assisted generation rolls the cache back, which the far sums S, z cannot" if assisted else (
+                f"attention_variant={self.config.attention_variant!r} weighs every past key (no constant-size state)")
+            raise ValueError(f"cache_implementation='static' (NPRFStaticCache) cannot serve this call: {reason}; use "
+                             "cache_implementation='dynamic'")
         # the weights of every step need every past key: a dynamic cache, or a static one that keeps them
         keys_needed = bool(generation_config.output_attentions)
         if builds and not assisted and (implementation == "static" or (implementation is None and not keys_needed)):
