@@ -8,6 +8,9 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# The GPU kernels' tests run them on the CPU through Triton's interpreter, which must be chosen before Triton is
+# first imported (by anything: torch.compile's tests import it too), so for the whole session.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 # Under pytest-xdist (`-n 2`) each worker is one process per core: a second intra-op thread per worker would
 # oversubscribe the cores (spinning OpenMP threads slow both). Subprocesses the tests start inherit it.
 if os.environ.get("PYTEST_XDIST_WORKER"):

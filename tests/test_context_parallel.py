@@ -116,6 +116,7 @@ def attention_worker(rank, world_size, port, out_dir):
         }
     with open(os.path.join(out_dir, f"{rank}.json"), "w") as handle:
         json.dump(report, handle)
+    dist.barrier()  # no rank tears gloo down while another still talks to it
     dist.destroy_process_group()
 
 
@@ -202,6 +203,7 @@ def model_worker(rank, world_size, port, out_dir):
         report[name] = {"output": relative_error(got, want[:, lo:hi]), "gradients": relative_error(got_flat, flat(want_grads))}
     with open(os.path.join(out_dir, f"{rank}.json"), "w") as handle:
         json.dump(report, handle)
+    dist.barrier()  # no rank tears gloo down while another still talks to it
     dist.destroy_process_group()
 
 
@@ -246,6 +248,7 @@ def minilm_worker(rank, world_size, port, out_dir, path):
         report[name] = {"output": relative_error(got, want[:, lo:hi]), "gradients": relative_error(got_flat, flat(want_grads))}
     with open(os.path.join(out_dir, f"{rank}.json"), "w") as handle:
         json.dump(report, handle)
+    dist.barrier()  # no rank tears gloo down while another still talks to it
     dist.destroy_process_group()
 
 

@@ -423,3 +423,42 @@ def test_long_retrieval_refuses_to_overwrite_and_wrong_modes(finetune, tiny, tmp
     with pytest.raises(SystemExit, match="max-position-embeddings >= 402"):
         finetune.main(["--model_name_or_path", nprf_dir, "--output_dir", str(tmp_path / "b"), *common[:2],
                        "--document_length", "400", "--max_steps", "1"])
+
+
+def test_recipe_document_term_equals_an_independent_computation(tiny, monkeypatch):
+    """The recipe's main objective, 1 - cos(student's whole-document embedding, teacher's chunk-and-pool), at its
+    first step (before any update), against the same quantity computed here with plain model calls: the teacher on
+    each window of 62 content tokens alone, its normalized mean embedding, averaged weighted by the window's tokens."""
+    from nprf_hf import long_context
+
+    _, softmax_dir, nprf_dir, text, tokenizer = tiny
+    teacher, student = AutoModel.from_pretrained(softmax_dir).eval(), AutoModel.from_pretrained(nprf_dir).eval()
+    drawn = []
+    original = long_context._span_starts
+    monkeypatch.setattr(long_context, "_span_starts", lambda *a: drawn.append(original(*a)) or drawn[-1])
+    documents = read_long_text(text)
+    report = long_context_distillation(
+        student, teacher, tokenizer, documents, steps=1, batch_size=2, document_length=150, passage_length=16,
+        short_batch_size=0, contrastive_weight=0.0, learning_rate=1e-6, table_learning_rate=1e-6, eval_documents=1,
+        show_progress=False,
+    )
+    # the student's weights before its one update: the first step's term was computed with them
+    student = AutoModel.from_pretrained(nprf_dir).eval()
+    stream = [t for d in documents if d.strip() for t in tokenizer(d, add_special_tokens=False)["input_ids"]]
+    cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
+
+    def embedding(model, ids):
+        with torch.no_grad():
+            hidden = model(input_ids=torch.tensor([[cls, *ids, sep]])).last_hidden_state[0]
+        return torch.nn.functional.normalize(hidden.mean(0), dim=0)  # a sentence embedding, as an embedder gives it
+
+    terms = []
+    for start in drawn[-1]:  # the training step's documents (the held-out ones were drawn first)
+        doc = stream[start : start + 150]
+        parts = [doc[i : i + 62] for i in range(0, len(doc), 62)]
+        pooled = sum(len(p) * embedding(teacher, p) for p in parts)
+        whole = embedding(student, doc)
+        terms.append(1 - torch.nn.functional.cosine_similarity(whole, pooled, dim=0))
+    assert len(terms) == 2
+    expected = float(torch.stack(terms).mean())
+    assert expected > 0 and abs(report.history[0]["document"] - expected) <= 1e-3 * expected
