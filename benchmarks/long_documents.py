@@ -26,6 +26,9 @@ Tasks (all built locally, deterministic for `--seed`):
 * ``needle`` (LongEmbed's needle task, haystack from the same WikiText split): one random span of real text
   shared by all candidates, each with its own fact "The best thing to do in <city> is <activity>." at a
   random depth; query "What is the best thing to do in <city>?".
+* ``needle_distinct``: the same facts and queries, but each candidate is a different stretch of real text (the
+  documents of ``retrieval``), the fact at a random depth of 10-90%: the fact has to stand out from a document
+  that differs from every other one everywhere, as in a real collection.
 
 Time: median seconds per document over the documents of a task (embedding only, batch 1, after one warm-up
 document), same process, `--threads` threads.
@@ -54,7 +57,7 @@ from long_sequence import synchronize  # noqa: E402
 
 DEFAULT_OUTPUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runs", "benchmarks", "long_documents")
 DEFAULT_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "shared", "data", "wikitext-2")
-TASKS = ("retrieval", "passkey", "needle")
+TASKS = ("retrieval", "passkey", "needle", "needle_distinct")
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NAMES = (
     "Alice Bob Carol David Emma Frank Grace Henry Irene Jack Karen Louis Maria Nadia Oscar Paula Quentin Rosa "
@@ -141,31 +144,55 @@ def passkey_task(tokenizer, length, count, seed):
     return documents, queries, list(range(len(documents)))
 
 
+def _city_facts(rng, count):
+    """`count` (city, activity) pairs, one city each (so that every query has one right answer)."""
+    pairs = [(c, a) for c in CITIES for a in ACTIVITIES]
+    rng.shuffle(pairs)
+    chosen, used = [], set()
+    for city, activity in pairs:
+        if city not in used:
+            chosen.append((city, activity))
+            used.add(city)
+        if len(chosen) == count:
+            return chosen
+    raise ValueError(f"needle: at most {len(CITIES)} candidates (one city each), got --docs {count}")
+
+
+def _fact_and_query(tokenizer, city, activity):
+    fact = tokenizer(f" The best thing to do in {city} is {activity}.", add_special_tokens=False)["input_ids"]
+    return fact, tokenizer(f"What is the best thing to do in {city}?", add_special_tokens=False)["input_ids"]
+
+
+def needle_distinct_task(tokenizer, articles, length, count, seed):
+    """(documents, queries, owners): the needle task's facts, each in a different document (`retrieval_task`'s, built
+    from consecutive articles) at a random depth between 10% and 90% of it."""
+    rng = _rng(seed, "needle_distinct", length)
+    haystacks = retrieval_task(articles, length, count, 1, seed)[0]
+    documents, queries = [], []
+    for haystack, (city, activity) in zip(haystacks, _city_facts(rng, len(haystacks))):
+        fact, query = _fact_and_query(tokenizer, city, activity)
+        body = haystack[: length - len(fact)]
+        at = rng.randint(int(0.1 * len(body)), int(0.9 * len(body)))
+        documents.append(body[:at] + fact + body[at:])
+        queries.append(query)
+    return documents, queries, list(range(len(documents)))
+
+
 def needle_task(tokenizer, articles, length, count, seed):
     """LongEmbed-style needle retrieval on real text: (documents, queries, owners). All candidates share one
     haystack (a random span of the text), so that only the needle and its depth tell them apart."""
     rng = _rng(seed, "needle", length)
     stream = [t for ids in articles for t in ids]
-    pairs = [(c, a) for c in CITIES for a in ACTIVITIES]
-    rng.shuffle(pairs)
-    chosen, used = [], set()
-    for city, activity in pairs:  # one city per candidate, so every query has one right answer
-        if city not in used:
-            chosen.append((city, activity))
-            used.add(city)
-        if len(chosen) == count:
-            break
-    if len(chosen) < count:
-        raise ValueError(f"needle: at most {len(CITIES)} candidates (one city each), got --docs {count}")
+    chosen = _city_facts(rng, count)
     if len(stream) < length:
         raise ValueError(f"needle: the text has {len(stream)} tokens, fewer than {length}")
     start = rng.randint(0, len(stream) - length)
     haystack = stream[start : start + length]
     documents, queries = [], []
     for city, activity in chosen:
-        needle = tokenizer(f" The best thing to do in {city} is {activity}.", add_special_tokens=False)["input_ids"]
-        documents.append(_insert(haystack[: length - len(needle)], needle, rng))
-        queries.append(tokenizer(f"What is the best thing to do in {city}?", add_special_tokens=False)["input_ids"])
+        fact, query = _fact_and_query(tokenizer, city, activity)
+        documents.append(_insert(haystack[: length - len(fact)], fact, rng))
+        queries.append(query)
     return documents, queries, list(range(len(documents)))
 
 
@@ -182,8 +209,10 @@ def build_tasks(tokenizer, articles, lengths, count, passage_length, seed, tasks
                                                     queries_per_document=queries_per_document)
             elif task == "passkey":
                 built[task, total] = passkey_task(tokenizer, length, count, seed)
-            else:
+            elif task == "needle":
                 built[task, total] = needle_task(tokenizer, articles, length, count, seed)
+            else:
+                built[task, total] = needle_distinct_task(tokenizer, articles, length, count, seed)
     return built
 
 

@@ -316,6 +316,14 @@ def test_benchmark_tasks_are_deterministic_for_a_seed_and_well_formed(bench, tin
     for doc, query in zip(docs, queries):
         city = tokenizer.decode(query).split(" in ")[1].rstrip("?").strip()
         assert f"best thing to do in {city.lower()}" in tokenizer.decode(doc).lower()
+    docs, queries, _ = first["needle_distinct", 202]
+    haystacks = first["retrieval", 202][0]
+    assert len({tuple(doc[:10]) for doc in docs}) == len(docs)  # every candidate its own text
+    for doc, haystack, query in zip(docs, haystacks, queries):
+        city = tokenizer.decode(query).split(" in ")[1].rstrip("?").strip()
+        fact = tokenizer(f" The best thing to do in {city} is", add_special_tokens=False)["input_ids"]
+        at = next(i for i in range(len(doc)) if doc[i : i + len(fact)] == fact)
+        assert 0.1 * 200 - 1 <= at <= 0.9 * 200 and doc[:at] == haystack[:at]  # its own document, at 10-90% depth
 
 
 def test_benchmark_runs_every_method_and_writes_table_and_plot(bench, tiny, tmp_path, capsys):
