@@ -38,6 +38,7 @@ from nprf_hf import nprf_banded, nprf_fft
 from nprf_hf.options import RECOMPUTE_MODES
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from busy_load import check_cores, competing_load  # noqa: E402
 from long_sequence import DTYPES, synchronize  # noqa: E402  (the benchmarks' one list of dtypes)
 
 
@@ -188,8 +189,15 @@ def main(argv=None):
     parser.add_argument("--output", default=DEFAULT_OUTPUT,
                         help="JSON file (default: %(default)s, a git-ignored scratch folder; pass "
                         "benchmarks/results/attention_cpu.json to update the README's numbers)")
+    parser.add_argument("--busy-cores", nargs="+", type=int, default=[], metavar="CORE",
+                        help="after the quiet timings, time every point again with one spinning process on each "
+                        "of these cores, and report busy / quiet beside each other (issue 45)")
     parser.add_argument("--memory-pass", action="store_true", help=argparse.SUPPRESS)  # the child process
     args = parser.parse_args(argv)
+    try:
+        check_cores(args.busy_cores)
+    except ValueError as error:
+        parser.error(str(error))
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -263,6 +271,22 @@ def main(argv=None):
             print(f"{n:>6} {row['pass']:>8} {seconds['sdpa']:9.4f} {cells} {floor} {speedup}", flush=True)
             rows.append(row)
 
+    if args.busy_cores:  # the same points again, busy: how much each method loses to a competing process
+        print(f"# busy: one spinning process on core(s) {args.busy_cores}; busy / quiet time per method")
+        with competing_load(args.busy_cores):
+            for row in rows:
+                row["busy_seconds"] = {}
+                with torch.enable_grad() if row["pass"] == "fwd+bwd" else torch.inference_mode():
+                    inputs, steps = points(row["n"], row["pass"] == "fwd+bwd")
+                    for name, step in steps.items():
+                        if name != "fft_floor":
+                            row["busy_seconds"][name] = measure_time(step, device, args.min_time)
+                        for t in inputs:
+                            t.grad = None
+                slowdown = {name: row["busy_seconds"][name] / row["seconds"][name] for name in row["busy_seconds"]}
+                row["busy_over_quiet"] = slowdown
+                cells = " ".join(f"{slowdown[a]:9.2f}" if a in slowdown else f"{'skip':>9}" for a in algorithms)
+                print(f"{row['n']:>6} {row['pass']:>8} {slowdown['sdpa']:9.2f} {cells}", flush=True)
     machine["memory_method"] = (
         "VmHWM above the resident size before the call, in a child process with MALLOC_MMAP_THRESHOLD_=131072"
         if device.type == "cpu" else "torch.cuda.max_memory_allocated above the allocation before the call"
@@ -314,6 +338,12 @@ def summarize(rows, machine):
             add(f"banded_matmul_fraction_{n}", forward["banded_gflops"] / machine["matmul_gflops"], f"n={n}: banded GFLOP/s / matmul GFLOP/s")
         if "fft" in forward["seconds"]:
             add(f"fft_over_floor_{n}", forward["seconds"]["fft"] / forward["seconds"]["fft_floor"], f"n={n}: fft / bare rfft+irfft")
+        for kind in ("fwd", "fwd+bwd"):
+            slowdown = table[(n, kind)].get("busy_over_quiet", {})
+            if "auto" in slowdown:
+                # the target of issue 45: NPRF's busy / quiet no worse than 1.2x SDPA's own
+                add(f"busy_slowdown_auto_over_sdpa_{kind}_{n}", slowdown["auto"] / slowdown["sdpa"],
+                    f"n={n} {kind}: (busy / quiet of auto) / (busy / quiet of sdpa)")
     for a, b in zip(lengths, lengths[1:]):
         if b == 2 * a and "auto" in table[(b, "fwd")]["seconds"]:
             add(f"auto_time_scaling_{b}", table[(b, "fwd")]["seconds"]["auto"] / table[(a, "fwd")]["seconds"]["auto"], f"auto fwd time({b}) / time({a})")

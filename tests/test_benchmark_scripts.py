@@ -387,3 +387,33 @@ def test_gpu_benchmark_runs_every_part_through_the_interpreter(tmp_path):
     refused = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "gpu.py"), "--tiny"], env=env,
                              capture_output=True, text=True, timeout=120)
     assert refused.returncode != 0 and "TRITON_INTERPRET=1" in refused.stderr and "Traceback" not in refused.stderr
+
+
+def test_attention_benchmark_times_quiet_and_busy_side_by_side(tmp_path, capsys):
+    """--busy-cores: every point timed again under one spinning process per named core, busy / quiet per method and
+    NPRF's slowdown against SDPA's in the summary; the load is gone afterwards; a core the machine lacks is refused."""
+    import os
+
+    attention = load_script("attention")
+    out = str(tmp_path / "attention.json")
+    before = {p for p in os.listdir("/proc") if p.isdigit()}
+    attention.main(["--lengths", "64", "--heads", "2", "--head-dim", "8", "--features", "4", "--threads", "1",
+                    "--min-time", "0", "--algorithms", "auto", "--skip-memory", "--matmul-size", "64",
+                    "--busy-cores", str(min(os.sched_getaffinity(0))), "--output", out])
+    saved = json.loads(open(out).read())
+    for row in saved["rows"]:
+        assert set(row["busy_seconds"]) == {"sdpa", "auto"}
+        assert row["busy_over_quiet"]["auto"] == row["busy_seconds"]["auto"] / row["seconds"]["auto"]
+    ratios = saved["summary"]["ratios"]
+    fwd = saved["rows"][0]["busy_over_quiet"]
+    assert ratios["busy_slowdown_auto_over_sdpa_fwd_64"] == fwd["auto"] / fwd["sdpa"]
+    spinning = []
+    for pid in {p for p in os.listdir("/proc") if p.isdigit()} - before:
+        try:
+            spinning.append("sched_setaffinity" in open(f"/proc/{pid}/cmdline").read())
+        except OSError:
+            pass
+    assert not any(spinning), "a spinning process outlived the benchmark"
+    with pytest.raises(SystemExit):
+        attention.main(["--lengths", "64", "--busy-cores", "4096", "--skip-memory", "--output", out])
+    assert "--busy-cores [4096]" in capsys.readouterr().err
