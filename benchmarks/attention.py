@@ -191,7 +191,8 @@ def main(argv=None):
                         "benchmarks/results/attention_cpu.json to update the README's numbers)")
     parser.add_argument("--busy-cores", nargs="+", type=int, default=[], metavar="CORE",
                         help="after the quiet timings, time every point again with one spinning process on each "
-                        "of these cores, and report busy / quiet beside each other (issue 45)")
+                        "of these cores, and report busy / quiet beside each other (issue 45; default: none, quiet "
+                        "only)")
     parser.add_argument("--memory-pass", action="store_true", help=argparse.SUPPRESS)  # the child process
     args = parser.parse_args(argv)
     try:

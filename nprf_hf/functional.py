@@ -179,7 +179,7 @@ def _attention(query, key, value, rpe_bias, projection, key_padding_mask, algori
             return triton_attention(query, key, value, rpe_bias, projection, key_padding_mask, terms.logit_scale,
                                     band_width, causal)
         except Exception as error:  # noqa: BLE001
-            if requested == "triton":
+            if requested == "triton" or isinstance(error, torch.OutOfMemoryError):  # (PyTorch's path needs more)
                 raise
             # "auto" chose kernels that failed to build or launch on this device: the model still runs, said once
             disable_triton(f"the kernels failed here ({type(error).__name__}: {error})")
