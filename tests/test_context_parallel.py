@@ -278,15 +278,33 @@ def test_decoder_cache_refused_inside_context_parallel():
         _GROUPS.pop()
 
 
-def test_run_clm_context_parallel_matches_one_process(roberta_source, tmp_path):
-    """examples/run_clm.py --context_parallel on 2 processes (accelerate launch, gloo): every block's tokens split over
-    them, the same losses step by step as one process on the same blocks."""
+def one_and_sharded(script, arguments, results_file, tmp_path):
+    """Run examples/`script` with `arguments` on one process and on two (accelerate launch, CPU DDP config,
+    --context_parallel): ({"one" | "sharded": the losses of train_log.jsonl}, {...: the results JSON})."""
     import subprocess
     import sys
 
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.path.join(root, "examples", script)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    logs, results = {}, {}
+    for name, launch in (("one", [sys.executable, path]), ("sharded", [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+        os.path.join(root, "examples", "accelerate", "cpu_ddp.yaml"), path, "--context_parallel",
+    ])):
+        result = subprocess.run(launch + arguments + ["--output_dir", str(tmp_path / name)], capture_output=True,
+                                text=True, timeout=300, cwd=root, env=env)
+        assert result.returncode == 0, result.stderr[-3000:]
+        logs[name] = [json.loads(line)["loss"] for line in open(tmp_path / name / "train_log.jsonl")]
+        results[name] = json.load(open(tmp_path / name / results_file))
+    return logs, results
+
+
+def test_run_clm_context_parallel_matches_one_process(roberta_source, tmp_path):
+    """examples/run_clm.py --context_parallel on 2 processes (accelerate launch, gloo): every block's tokens split over
+    them, the same losses step by step as one process on the same blocks."""
     from conftest import shared_data
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with open(shared_data("wikitext-2", "valid.txt"), encoding="utf-8") as handle:
         (tmp_path / "train.txt").write_text("".join(next(handle) for _ in range(200)), encoding="utf-8")
     tiny = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64,
@@ -295,20 +313,10 @@ def test_run_clm_context_parallel_matches_one_process(roberta_source, tmp_path):
     arguments = ["--model_type", "nprf_roberta", "--tokenizer_name", roberta_source, "--config_overrides",
                  json.dumps(tiny), "--train_file", str(tmp_path / "train.txt"), "--block_size", "64", "--max_steps", "3",
                  "--per_device_train_batch_size", "2", "--threads", "1", "--no_save_model"]
-    script = os.path.join(root, "examples", "run_clm.py")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    logs = {}
-    for name, launch in (("one", [sys.executable, script]), ("sharded", [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-        os.path.join(root, "examples", "accelerate", "cpu_ddp.yaml"), script, "--context_parallel",
-    ])):
-        result = subprocess.run(launch + arguments + ["--output_dir", str(tmp_path / name)], capture_output=True,
-                                text=True, timeout=300, cwd=root, env=env)
-        assert result.returncode == 0, result.stderr[-3000:]
-        logs[name] = [json.loads(line)["loss"] for line in open(tmp_path / name / "train_log.jsonl")]
-        results = json.load(open(tmp_path / name / "results.json"))
-        assert results["context_parallel"] == (name == "sharded") and results["batch_size"] == 2
-        assert results["processes"] == (2 if name == "sharded" else 1)
+    logs, results = one_and_sharded("run_clm.py", arguments, "results.json", tmp_path)
+    for name in logs:
+        assert results[name]["context_parallel"] == (name == "sharded") and results[name]["batch_size"] == 2
+        assert results[name]["processes"] == (2 if name == "sharded" else 1)
     assert len(logs["one"]) == len(logs["sharded"]) == 3
     for one, sharded in zip(logs["one"], logs["sharded"]):
         assert abs(one - sharded) <= 1e-4 * abs(one), logs
@@ -317,14 +325,10 @@ def test_run_clm_context_parallel_matches_one_process(roberta_source, tmp_path):
 def test_run_long_retrieval_context_parallel_matches_one_process(tmp_path):
     """examples/run_long_retrieval.py --context_parallel on 2 processes: each document split over them, the same
     losses step by step as one process on the same batch, and the processes' weights stay equal."""
-    import subprocess
-    import sys
-
     import nprf_hf
     from conftest import minilm_path, shared_data
     from transformers import AutoTokenizer
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     tokenizer = AutoTokenizer.from_pretrained(minilm_path())
     config = nprf_hf.NPRFBertConfig(**tiny_nprf_config_kwargs(len(tokenizer)))
     torch.manual_seed(0)
@@ -335,19 +339,9 @@ def test_run_long_retrieval_context_parallel_matches_one_process(tmp_path):
     arguments = ["--model_name_or_path", str(tmp_path / "model"), "--train_file", str(tmp_path / "train.txt"),
                  "--document_length", "120", "--passage_length", "16", "--batch_size", "2", "--max_steps", "2",
                  "--learning_rate", "1e-3", "--threads", "1"]
-    script = os.path.join(root, "examples", "run_long_retrieval.py")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    logs = {}
-    for name, launch in (("one", [sys.executable, script]), ("sharded", [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-        os.path.join(root, "examples", "accelerate", "cpu_ddp.yaml"), script, "--context_parallel",
-    ])):
-        result = subprocess.run(launch + arguments + ["--output_dir", str(tmp_path / name)], capture_output=True,
-                                text=True, timeout=300, cwd=root, env=env)
-        assert result.returncode == 0, result.stderr[-3000:]
-        logs[name] = [json.loads(line)["loss"] for line in open(tmp_path / name / "train_log.jsonl")]
-        results = json.load(open(tmp_path / name / "train_results.json"))
-        assert results["context_parallel"] == (name == "sharded") and results["parameters_in_sync"]
+    logs, results = one_and_sharded("run_long_retrieval.py", arguments, "train_results.json", tmp_path)
+    for name in logs:
+        assert results[name]["context_parallel"] == (name == "sharded") and results[name]["parameters_in_sync"]
     assert len(logs["one"]) == len(logs["sharded"]) == 2
     for one, sharded in zip(logs["one"], logs["sharded"]):
         assert abs(one - sharded) <= 1e-4 * abs(one), logs
