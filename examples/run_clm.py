@@ -277,6 +277,9 @@ def main(argv=None):
         "steps": len(log), "diverged": diverged, "final_loss": log[-1]["loss"], "block_size": args.block_size,
         "batch_size": batch_size * (1 if sharding else world), "processes": world,
         "context_parallel": bool(sharding), "mixed_precision": accelerator.mixed_precision,
+        # what `accelerate launch` made of the model: FSDP2 leaves its parameters as sharded DTensors
+        "distributed_type": str(accelerator.distributed_type).split(".")[-1],
+        "sharded_parameters": any(type(p).__name__ == "DTensor" for p in model.parameters()),
         "learning_rate": args.learning_rate, "max_grad_norm": args.max_grad_norm, "seed": args.seed,
         "train_seconds": time.perf_counter() - start_all, "parameters": sum(p.numel() for p in core.parameters()),
     }
