@@ -144,4 +144,4 @@ def test_accelerate_launch_ddp_on_two_cpu_processes(data, tmp_path):
     results = json.load(open(tmp_path / "ddp" / "results.json"))
     assert results["processes"] == 2 and results["batch_size"] == 4 and results["steps"] == 3
     assert results["perplexity"] > 1
-
+    assert results["distributed_type"] == "MULTI_CPU" and not results["sharded_parameters"]
