@@ -14,7 +14,7 @@ paper's Toeplitz product through real FFTs) and "banded" (`nprf_banded`: C = far
 its lean training mode, features rebuilt in backward, in `nprf_banded_recompute`); "triton" is the banded
 product as fused GPU kernels (`nprf_triton`, kernels in `nprf_triton_kernels`). The feature maps are in
 `nprf_features`, positions in `nprf_positions`, the optional terms (logit scale, segment bias, word matching)
-in `nprf_terms`, the recurrent decoding step in `cache_nprf`, and the float64
+in `nprf_terms`, the recurrent decoding step in `nprf_recurrent`, and the float64
 reference every algorithm is tested against in `nprf_naive`.
 
 Nothing here holds state: every function takes tensors and returns tensors.
@@ -170,7 +170,7 @@ def _attention(query, key, value, rpe_bias, projection, key_padding_mask, algori
         t is not None and t.requires_grad for t in (query, key, value, bias, projection, *terms.tensors())
     )
     requested, given_band_width = algorithm, band_width
-    algorithm = kernel_or_auto(algorithm, query, projection, variant, terms, causal)
+    algorithm = kernel_or_auto(algorithm, query, projection, variant, terms)
     algorithm, band_width = _resolve_algorithm(
         algorithm, bias, n, band_width, projection.shape[-2], value.shape[-1] + 1, inference=not needs_grad
     )

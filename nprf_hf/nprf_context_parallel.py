@@ -27,22 +27,20 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
+# (training recomputes a shard's features in backward from the size at which one process's attention does)
+from .functional import RECOMPUTE_MIN_BYTES
 from .nprf_banded import banded_toeplitz_attention
 from .nprf_banded_recompute import _BandedBackward
 from .nprf_features import compute_dtype, normalize_attention, query_key_features, values_and_ones, variant_features
 from .nprf_positions import masked_bias
-
-
-# Training recomputes a layer's features in backward from this size of the shard's [B, H, n, m] features on (as
-# `functional.RECOMPUTE_MIN_BYTES`): below it the second forward costs time for little memory.
-RECOMPUTE_MIN_BYTES = 16 << 20
+from .options import ATTENTION_VARIANTS, QUADRATIC_VARIANTS
 
 
 # The process groups of the active `context_parallel` blocks, innermost last. A plain list, not a ContextVar:
 # torch.compile traces a read of it (fullgraph), and guards on it.
 _GROUPS = []
 # The variants whose kernel factors into features (the quadratic ones build n x n weights: nothing to shard).
-FEATURE_VARIANTS = ("nprf", "prf", "elu_linear")
+FEATURE_VARIANTS = tuple(v for v in ATTENTION_VARIANTS if v not in QUADRATIC_VARIANTS)
 
 
 @contextlib.contextmanager

@@ -13,8 +13,8 @@ from .nprf_triton import log_fallback_once, triton_cannot_run, triton_unfused
 
 
 # The PyTorch algorithms' `auto` crossovers, measured on the 2-core CPU. Under autograd the eager dense product runs
-# in cache and rebuilds its weights in backward (`dense_toeplitz_training`): forward + backward on padded batches (B=8, H=12,
-# m=64, T5's default buckets: a window of 314 / 334 at d = 32 / 64, one thread) it takes 0.62x / 0.68x of
+# in cache and rebuilds its weights in backward (`dense_toeplitz_training`): forward + backward on padded batches
+# (B=8, H=12, m=64, T5's default buckets: a window of 314 / 334 at d = 32 / 64, one thread) it takes 0.62x / 0.68x of
 # banded's time at 384 tokens, 0.94x / 0.90x at 512, 1.19x / 1.07x at 768: they cross at about 1.7 windows
 # (with the weights kept by autograd they crossed at one window). Without a band (a bias learned per distance),
 # fft only beats dense from about 8192 tokens (dense at 2048: 0.46 s vs fft 1.95 s forward, one
@@ -26,16 +26,16 @@ AUTO_DENSE_FACTOR_COMPILED = 1.0  # torch.compile traces the plain autograd prod
 # time at 512 tokens, 1.8x / 1.6x at 768: they cross at about 540 tokens, 1.6 windows.
 AUTO_DENSE_FACTOR_INFERENCE = 1.6
 AUTO_FFT_MIN_LENGTH = 8192
-# On a CUDA device: the fused kernels (`nprf_triton`) for every length they compute; not yet measured against
-# the PyTorch algorithms on a GPU (no crossover: the kernels are linear in n with a band of W keys).
+# On a CUDA device: the fused kernels (`nprf_triton`) for every length they compute. Not timed against the PyTorch
+# algorithms on one device: the kernels' H200 times are 6-90x below the PyTorch path's H100 times of the day
+# before (RESULTS, "On a GPU"), at every length both measured.
 KERNEL_OF_DEVICE = {"cuda": "triton"}
 
 
-def kernel_or_auto(algorithm, query, projection, variant, terms, causal):
+def kernel_or_auto(algorithm, query, projection, variant, terms):
     """"triton" where the fused kernels can run this call ("auto": on a CUDA device in eager mode), else "auto" (any
-    other algorithm is returned as it is: the user chose PyTorch's). An
-    explicit "triton" where Triton cannot run is an error; a call with something the kernels do not fuse runs the
-    PyTorch algorithms, said once in the log."""
+    other algorithm is returned as it is: the user chose PyTorch's). An explicit "triton" where Triton cannot run is
+    an error; a call with something the kernels do not fuse runs the PyTorch algorithms, said once in the log."""
     if algorithm not in ("auto", "triton"):
         return algorithm
     if algorithm == "auto" and (KERNEL_OF_DEVICE.get(query.device.type) != "triton" or torch.compiler.is_compiling()):

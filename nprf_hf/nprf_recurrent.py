@@ -16,11 +16,6 @@ the state is built from its keys.
 Layout of the state (per layer): `far_states` [B, H, m, d + 1] holds [S | z] (one matmul serves
 numerator and denominator), `ring_features` [B, H, W - 1, m] and `ring_values` [B, H, W - 1, d + 1]
 the last W - 1 keys' phi(k) and [v | 1], oldest first (padded keys have phi(k) = 0: they count in
-no sum).
-
-Layout of the state (per layer): `far_states` [B, H, m, d + 1] holds [S | z] (one matmul serves
-numerator and denominator), `ring_features` [B, H, W - 1, m] and `ring_values` [B, H, W - 1, d + 1]
-the last W - 1 keys' phi(k) and [v | 1], oldest first (padded keys have phi(k) = 0: they count in
 no sum). A step of one new token runs as one fused kernel per layer where `nprf_dispatch` chooses the Triton
 kernels (`nprf_triton.triton_decode_step`), and as the PyTorch product below otherwise.
 """
@@ -122,7 +117,7 @@ def recurrent_step(query, key, value, new_mask, state, table, projection, band_w
     c, _ = toeplitz_coefficients(causal_distance_bias(table, band_width, num_buckets, max_distance).to(dtype))
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, c, *state))
     if query.shape[2] == 1 and not needs_grad and kernel_or_auto(
-        algorithm, query, projection, variant, terms, True
+        algorithm, query, projection, variant, terms
     ) == "triton":
         return triton_decode_step(query, key, value, new_mask, state, c, projection, terms.logit_scale)
     phi_k, u = key_features_and_values(key, value, new_mask, projection, variant, terms.logit_scale)

@@ -90,21 +90,33 @@ def triton_attention(query, key, value, rpe_bias, projection, key_padding_mask, 
     bias = rpe_bias.float()
     # c_r = exp(b_r - max b) <= 1; the ratios are shift-invariant, and the kernels read c, not b
     c = torch.exp(bias - bias.detach().amax(dim=-1, keepdim=True))
-    if logit_scale is None:
-        root = torch.ones(heads, device=query.device)
-    else:
-        root = logit_scale.float().sqrt()
+    root = _feature_root(logit_scale, heads, query.device)
     reach = -(-(min(band_width, n) - 1) // block)
     return _TritonProduct.apply(query, key, value, c, root, projection, key_padding_mask, causal, reach,
                                 (block, num_warps))
 
 
-def _sizes(query, value, projection, block):
+def _feature_root(logit_scale, heads, device):
+    """sqrt(s) [H] fp32, the scale of the normalized q, k in the feature map (ones without a logit scale)."""
+    return torch.ones(heads, device=device) if logit_scale is None else logit_scale.float().sqrt()
+
+
+def _block_size(x):
+    """The power of two >= x and >= 16 that a kernel's block of x columns takes (tl.dot's smallest size)."""
+    return max(16, 1 << (x - 1).bit_length())
+
+
+def _launch(query, value, projection, tile):
+    """What forward and backward launch with: (sizes s, the kernels' shared meta-parameters, their shared size
+    arguments, log(m) / 2, the grid (blocks, B * H))."""
+    block, num_warps = tile
     batch, heads, n, d = query.shape
-    m = projection.shape[-2]
-    pow2 = lambda x: max(16, 1 << (x - 1).bit_length())  # noqa: E731  (tl.dot needs sizes >= 16, powers of 2)
-    return dict(batch=batch, heads=heads, n=n, d=d, dv=value.shape[-1], m=m, blocks=-(-n // block),
-                BD=pow2(d), BV=pow2(value.shape[-1]), BM=pow2(m), BT=block)
+    m, dv = projection.shape[-2], value.shape[-1]
+    s = dict(batch=batch, heads=heads, n=n, d=d, dv=dv, m=m, blocks=-(-n // block), BV=_block_size(dv),
+             BM=_block_size(m))
+    common = dict(W_PER_HEAD=int(projection.dim() == 3), EPS=NORM_EPS, HALF=_dot_precision(query), BT=block,
+                  BD=_block_size(d), BV=s["BV"], BM=s["BM"], num_warps=num_warps)
+    return s, common, (heads, n, d, dv, m, s["blocks"]), 0.5 * math.log(m), (s["blocks"], batch * heads)
 
 
 def _dot_precision(query):
@@ -137,20 +149,12 @@ class _TritonProduct(torch.autograd.Function):
         # (`from .x import`, the form transformers follows to copy a remote-code file's siblings)
         from .nprf_triton_kernels import nprf_forward_kernel, nprf_key_states_kernel
 
-        block, num_warps = tile
-        s = _sizes(query, value, projection, block)
-        half = _dot_precision(query)
+        s, common, sizes, log_m_half, grid = _launch(query, value, projection, tile)
         projection = projection.detach().float().contiguous()
         c, root = c.detach().float().contiguous(), root.detach().float().contiguous()
         mask, stride_mb, has_mask = _mask_arg(key_padding_mask, query)
-        bh, nc = s["batch"] * s["heads"], s["blocks"]
-        states = query.new_empty(bh, nc, s["BM"], s["BV"], dtype=torch.float32)
-        sums = query.new_empty(bh, nc, s["BM"], dtype=torch.float32)
-        common = dict(W_PER_HEAD=int(projection.dim() == 3), EPS=NORM_EPS, HALF=half, BT=block, BD=s["BD"],
-                      BV=s["BV"], BM=s["BM"], num_warps=num_warps)
-        sizes = (s["heads"], s["n"], s["d"], s["dv"], s["m"], nc)
-        log_m_half = 0.5 * math.log(s["m"])
-        grid = (nc, bh)
+        states = query.new_empty(*grid[::-1], s["BM"], s["BV"], dtype=torch.float32)
+        sums = query.new_empty(*grid[::-1], s["BM"], dtype=torch.float32)
         nprf_key_states_kernel[grid](
             key, value, projection, mask, root, states, sums, *key.stride(), *value.stride(), stride_mb,
             *sizes, log_m_half, HAS_MASK=has_mask, **common,
@@ -172,22 +176,15 @@ class _TritonProduct(torch.autograd.Function):
         from .nprf_triton_kernels import nprf_key_grad_kernel, nprf_query_grad_kernel, nprf_query_states_kernel
 
         query, key, value, c, root, projection, mask, prefix, prefix_sums, out, denominator = ctx.saved_tensors
-        causal, reach, (block, num_warps), has_mask, stride_mb = ctx.settings
-        s = _sizes(query, value, projection, block)
-        half = _dot_precision(query)
-        bh, nc = s["batch"] * s["heads"], s["blocks"]
+        causal, reach, tile, has_mask, stride_mb = ctx.settings
+        s, common, sizes, log_m_half, grid = _launch(query, value, projection, tile)
         # dz_i / den_i and -(that . z_i): the gradient of weight (i, j) is g_i . v_j + delta_i
         kept = denominator > 0
         g = torch.where(kept[..., None], grad_out.float() / torch.where(kept, denominator, 1.0)[..., None], 0.0)
         delta = -(g * out.float()).sum(-1)
         g, delta = g.contiguous(), delta.contiguous()
-        common = dict(W_PER_HEAD=int(projection.dim() == 3), EPS=NORM_EPS, HALF=half, BT=block, BD=s["BD"],
-                      BV=s["BV"], BM=s["BM"], num_warps=num_warps)
-        sizes = (s["heads"], s["n"], s["d"], s["dv"], s["m"], nc)
-        log_m_half = 0.5 * math.log(s["m"])
-        grid = (nc, bh)
-        query_states = query.new_empty(bh, nc, s["BM"], s["BV"], dtype=torch.float32)
-        query_sums = query.new_empty(bh, nc, s["BM"], dtype=torch.float32)
+        query_states = query.new_empty(*grid[::-1], s["BM"], s["BV"], dtype=torch.float32)
+        query_sums = query.new_empty(*grid[::-1], s["BM"], dtype=torch.float32)
         nprf_query_states_kernel[grid](
             query, g, delta, projection, root, query_states, query_sums, *query.stride(), *sizes, log_m_half,
             **common,
@@ -223,19 +220,17 @@ def triton_decode_step(query, key, value, new_mask, state, c, projection, logit_
     dv, m = value.shape[-1], projection.shape[-2]
     far_states, ring_features, ring_values = (t.contiguous() for t in state)
     ring = ring_features.shape[-2]
-    root = torch.ones(heads, device=query.device) if logit_scale is None else logit_scale.float().sqrt()
-    mask = torch.zeros(1, dtype=torch.int8, device=query.device) if new_mask is None else (
-        new_mask[:, -1].to(device=query.device, dtype=torch.int8).contiguous())
+    root = _feature_root(logit_scale, heads, query.device)
+    mask, _, has_mask = _mask_arg(None if new_mask is None else new_mask[:, -1:], query)  # [B, 1]: the kernel reads b
     out = torch.empty(batch, heads, 1, dv, device=query.device, dtype=query.dtype)
     new_state = [torch.empty_like(t) for t in (far_states, ring_features, ring_values)]
-    pow2 = lambda x: max(16, 1 << (x - 1).bit_length())  # noqa: E731
     nprf_decode_kernel[(batch * heads,)](
         query, key, value, mask, projection.detach().float().contiguous(), root.contiguous(), c.float().contiguous(),
         far_states, ring_features, ring_values, out, *new_state,
         query.stride(0), query.stride(1), query.stride(3), key.stride(0), key.stride(1), key.stride(3),
         value.stride(0), value.stride(1), value.stride(3),
         heads, d, dv, m, ring, 0.5 * math.log(m),
-        HAS_MASK=new_mask is not None, W_PER_HEAD=int(projection.dim() == 3), EPS=NORM_EPS,
-        BD=pow2(d), BE=pow2(dv + 1), BM=pow2(m), BR=pow2(ring + 1),
+        HAS_MASK=has_mask, W_PER_HEAD=int(projection.dim() == 3), EPS=NORM_EPS,
+        BD=_block_size(d), BE=_block_size(dv + 1), BM=_block_size(m), BR=_block_size(ring + 1),
     )
     return out, new_state
