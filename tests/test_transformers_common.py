@@ -153,16 +153,17 @@ class _PreTrainingLabels:
         return inputs_dict
 
 
-def _classes(family, heads):
-    return tuple(getattr(nprf_hf, f"NPRF{family}{head}") for head in heads)
+def _classes(model_type, first="Model"):
+    """The family's NPRF classes as the package declares them (`NPRF_MODEL_CLASSES`: a new head is tested at once),
+    the one whose name ends in `first` first, as transformers' own test class for the family has it."""
+    from nprf_hf.modeling_nprf import NPRF_MODEL_CLASSES
+
+    classes = [cls for cls in NPRF_MODEL_CLASSES[model_type].values() if not cls.__name__.endswith("PreTrainedModel")]
+    return tuple(sorted(classes, key=lambda cls: not cls.__name__.endswith(first)))
 
 
 class NPRFRobertaModelTest(_DecoderGenerate, _NPRFCacheFormat, ModelTesterMixin, GenerationTesterMixin, unittest.TestCase):
-    all_model_classes = _classes(
-        "Roberta",
-        ("ForCausalLM", "ForMaskedLM", "Model", "ForSequenceClassification", "ForTokenClassification",
-         "ForMultipleChoice", "ForQuestionAnswering"),
-    )
+    all_model_classes = _classes("roberta", first="ForCausalLM")
     model_split_percents = [0.5, 0.8, 0.9]
 
     def setUp(self):
@@ -172,11 +173,7 @@ class NPRFRobertaModelTest(_DecoderGenerate, _NPRFCacheFormat, ModelTesterMixin,
 class NPRFXLMRobertaModelTest(_DecoderGenerate, _NPRFCacheFormat, ModelTesterMixin, GenerationTesterMixin, unittest.TestCase):
     """transformers has no common-test class for XLM-RoBERTa (its classes are RoBERTa's): RoBERTa's tester."""
 
-    all_model_classes = _classes(
-        "XLMRoberta",
-        ("ForCausalLM", "ForMaskedLM", "Model", "ForSequenceClassification", "ForTokenClassification",
-         "ForMultipleChoice", "ForQuestionAnswering"),
-    )
+    all_model_classes = _classes("xlm-roberta", first="ForCausalLM")
     model_split_percents = [0.5, 0.8, 0.9]
 
     def setUp(self):
@@ -187,11 +184,7 @@ class NPRFBertModelTest(_PreTrainingLabels, ModelTesterMixin, unittest.TestCase)
     """BERT's NPRF classes have no generative head (transformers' BertLMHeadModel has no NPRF counterpart), so,
     as transformers asks of a model that cannot generate, no GenerationTesterMixin."""
 
-    all_model_classes = _classes(
-        "Bert",
-        ("Model", "ForMaskedLM", "ForMultipleChoice", "ForQuestionAnswering", "ForSequenceClassification",
-         "ForTokenClassification"),
-    )
+    all_model_classes = _classes("bert")
     model_split_percents = [0.5, 0.8, 0.9]
     next_sentence_label = True
 
@@ -201,22 +194,14 @@ class NPRFBertModelTest(_PreTrainingLabels, ModelTesterMixin, unittest.TestCase)
 
 class NPRFElectraModelTest(_DecoderGenerate, _NPRFCacheFormat, _PreTrainingLabels, ModelTesterMixin, GenerationTesterMixin,
                            unittest.TestCase):
-    all_model_classes = _classes(
-        "Electra",
-        ("Model", "ForPreTraining", "ForMaskedLM", "ForCausalLM", "ForMultipleChoice", "ForTokenClassification",
-         "ForSequenceClassification", "ForQuestionAnswering"),
-    )
+    all_model_classes = _classes("electra")
 
     def setUp(self):
         self.model_tester = nprf_tester(ElectraModelTester, nprf_hf.NPRFElectraConfig)(self)
 
 
 class NPRFDistilBertModelTest(ModelTesterMixin, unittest.TestCase):
-    all_model_classes = _classes(
-        "DistilBert",
-        ("Model", "ForMaskedLM", "ForMultipleChoice", "ForQuestionAnswering", "ForSequenceClassification",
-         "ForTokenClassification"),
-    )
+    all_model_classes = _classes("distilbert")
     test_resize_embeddings = True
     test_resize_position_embeddings = True
 
