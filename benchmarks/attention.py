@@ -38,7 +38,7 @@ from nprf_hf import nprf_banded, nprf_fft
 from nprf_hf.options import RECOMPUTE_MODES
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from busy_load import check_cores, competing_load  # noqa: E402
+from busy_load import add_busy_cores_argument, busy_over_quiet, competing_load, parse_busy_cores  # noqa: E402
 from long_sequence import DTYPES, synchronize  # noqa: E402  (the benchmarks' one list of dtypes)
 
 
@@ -189,16 +189,10 @@ def main(argv=None):
     parser.add_argument("--output", default=DEFAULT_OUTPUT,
                         help="JSON file (default: %(default)s, a git-ignored scratch folder; pass "
                         "benchmarks/results/attention_cpu.json to update the README's numbers)")
-    parser.add_argument("--busy-cores", nargs="+", type=int, default=[], metavar="CORE",
-                        help="after the quiet timings, time every point again with one spinning process on each "
-                        "of these cores, and report busy / quiet beside each other (issue 45; default: none, quiet "
-                        "only)")
+    add_busy_cores_argument(parser, when="after the quiet timings")
     parser.add_argument("--memory-pass", action="store_true", help=argparse.SUPPRESS)  # the child process
     args = parser.parse_args(argv)
-    try:
-        check_cores(args.busy_cores)
-    except ValueError as error:
-        parser.error(str(error))
+    parse_busy_cores(parser, args)
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -284,7 +278,7 @@ def main(argv=None):
                             row["busy_seconds"][name] = measure_time(step, device, args.min_time)
                         for t in inputs:
                             t.grad = None
-                slowdown = {name: row["busy_seconds"][name] / row["seconds"][name] for name in row["busy_seconds"]}
+                slowdown = busy_over_quiet(row["seconds"], row["busy_seconds"])
                 row["busy_over_quiet"] = slowdown
                 cells = " ".join(f"{slowdown[a]:9.2f}" if a in slowdown else f"{'skip':>9}" for a in algorithms)
                 print(f"{row['n']:>6} {row['pass']:>8} {slowdown['sdpa']:9.2f} {cells}", flush=True)

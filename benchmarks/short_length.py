@@ -21,6 +21,13 @@ through `torch.compile` in the same alternating runs (`--compile` = `--modes com
 absorbing the compile: each row compares NPRF with SDPA in its own mode, and also with the faster SDPA of the
 modes run (what a user who may compile either model compares). On CUDA the padded batches give SDPA a mask, so
 it runs its memory-efficient kernel rather than flash (what a padded GLUE batch gets).
+
+`--busy-cores CORE...` (issue 45): every forward and training-step timing is taken again right after the quiet one,
+in the same process and the same alternating runs, with one spinning process on each named core
+(`busy_load.competing_load`); each row gains `forward_busy` and `train_step_busy`: both models' busy seconds, busy /
+quiet, and NPRF's busy / quiet over SDPA's (the target is <= 1.2):
+
+    python benchmarks/short_length.py --sizes minilm --points 32x128 8x512 --dropout 0 --threads 2 --busy-cores 0
 """
 
 import argparse
@@ -40,6 +47,7 @@ from nprf_hf import convert_to_nprf  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from long_sequence import DTYPES, synchronize  # noqa: E402  (the benchmarks' one list of dtypes)
+from busy_load import add_busy_cores_argument, busy_comparison, busy_line, parse_busy_cores, quiet_then_busy  # noqa: E402
 
 
 SIZES = {
@@ -108,7 +116,9 @@ def main(argv=None):
     parser.add_argument("--dropout", nargs="+", type=float, default=[0.0, 0.1],
                         help="dropout probabilities of the training steps (default: %(default)s)")
     parser.add_argument("--output", default=DEFAULT_OUTPUT, help="JSON path (default: a scratch file under runs/)")
+    add_busy_cores_argument(parser)
     args = parser.parse_args(argv)
+    parse_busy_cores(parser, args)
     try:
         points = [tuple(int(v) for v in point.lower().split("x")) for point in args.points]
     except ValueError:
@@ -150,15 +160,19 @@ def main(argv=None):
         for batch, length in points:
             input_ids, attention_mask = padded_batch(batch, length, config.vocab_size)
             inputs = {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device)}
-            forward = time_pair(models, inputs, train=False, repeats=args.repeats, device=device,
-                                warmups=warmups)  # eval mode: no dropout
+            forward, forward_busy = quiet_then_busy(  # eval mode: no dropout
+                lambda: time_pair(models, inputs, train=False, repeats=args.repeats, device=device, warmups=warmups),
+                args.busy_cores)
             for probability in args.dropout:
                 for model in models.values():
                     for module in model.modules():
                         if isinstance(module, torch.nn.Dropout):
                             module.p = probability
-                training = time_pair(models, inputs, train=True, repeats=args.repeats, device=device, warmups=warmups)
+                training, training_busy = quiet_then_busy(
+                    lambda: time_pair(models, inputs, train=True, repeats=args.repeats, device=device, warmups=warmups),
+                    args.busy_cores)
                 timed = {"forward": forward, "train_step": training}
+                busy = {"forward": forward_busy, "train_step": training_busy}
                 # one row per mode and NPRF model, each against the SDPA times of the same runs
                 for mode in args.modes:
                     for m in args.features:
@@ -176,6 +190,13 @@ def main(argv=None):
                         rows.append(row)
                         print(f"{size:<13} B={batch:<3} n={length:<5} {mode:<8} m={m:<4} dropout {probability}  "
                               + "   ".join(text), flush=True)
+                        if args.busy_cores:  # the same runs under the load: what each model loses to it
+                            for kind, times in busy.items():
+                                quiet = {"sdpa": timed[kind][(mode, "sdpa")], "nprf": timed[kind][(mode, m)]}
+                                row[f"{kind}_busy"] = busy_comparison(
+                                    quiet, {"sdpa": times[(mode, "sdpa")], "nprf": times[(mode, m)]}, baseline="sdpa")
+                                print(f"{'':<13} busy (cores {args.busy_cores}) {kind.replace('_', ' ')}: "
+                                      + busy_line(row[f"{kind}_busy"], "ms", 1e3), flush=True)
     result = {
         "settings": {**vars(args), "torch": torch.__version__,
                      "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()},
