@@ -5,7 +5,8 @@ same points quiet and busy in one run.
     with competing_load([0]):   # one busy process pinned to core 0
         ...                     # timed here: the busy figures
 
-The benchmarks share the rest too: `add_busy_cores_argument` (the `--busy-cores CORE...` option and its check),
+The benchmarks share the rest too: `add_busy_cores_argument` and `parse_busy_cores` (the `--busy-cores CORE...`
+option, and its error for a core the machine lacks),
 `quiet_then_busy` (one measurement taken quiet, then again under the load), `busy_comparison` (quiet, busy and
 busy / quiet per method, and each method's busy / quiet over the baseline's: issue 45's target is <= 1.2 for NPRF
 against SDPA or chunk-and-pool) and `busy_line` (that comparison as one printed line).
@@ -93,7 +94,8 @@ def busy_line(comparison, unit="s", scale=1.0):
 @contextlib.contextmanager
 def competing_load(cores, max_seconds=3600.0):
     """One spinning process per core in `cores` while the block runs (each also stops by itself after
-    `max_seconds`); they are killed when the block ends, however it ends."""
+    `max_seconds`); they are killed when the block ends, however it ends, and by the kernel if this process dies
+    first (started from the main thread: the parent-death signal follows the thread that started them)."""
     processes = [subprocess.Popen([sys.executable, "-c", SPIN, str(core), str(max_seconds), str(os.getpid())])
                  for core in check_cores(cores)]
     try:
