@@ -3,9 +3,9 @@
 constant beyond the band (T5's buckets are: `nprf_positions.rpe_band_width`).
 
 Execution modes side by side: the near product (the band) is one custom op with its backward, eager kernels that
-work a group of chunks at a time in cache, which torch.compile keeps opaque (`band_window_product`); the far sums
-are an autograd.Function eagerly (`_FarStates`) and whole-tensor ops under torch.compile (`_far_states`); the
-backward alone from the inputs runs a sequence at a time (`banded_toeplitz_backward`, for the lean training mode of
+work a group of chunks at a time in cache (on the CPU a sequence per thread, `nprf_cpu_threads`), which
+torch.compile keeps opaque (`band_window_product`); the far sums are in `nprf_banded_far`; the backward alone
+from the inputs runs a sequence at a time (`banded_toeplitz_backward`, for the lean training mode of
 `nprf_banded_recompute`).
 """
 
@@ -15,6 +15,8 @@ import re
 import torch
 import torch.nn.functional as F
 
+from .nprf_banded_far import FarStates, far_states_compiled, far_sums, far_sums_backward
+from .nprf_cpu_threads import parallel_items, parallel_slots
 from .nprf_dense import dense_toeplitz_attention
 from .nprf_features import values_and_ones
 from .nprf_positions import diagonals
@@ -62,7 +64,7 @@ def banded_toeplitz_attention(phi_q, phi_k, value, c, band_width, causal):
 
     # Far part: chunk k gets c_far^- times the states of chunks <= k-R-1 (and c_far^+ times those >= k+R+1).
     states = _chunk_states(k_rows, u_rows, chunk).view(batch, heads, -1, m * e)
-    far_states = _far_states if compiling else _FarStates.apply
+    far_states = far_states_compiled if compiling else FarStates.apply
     far = far_states(states, c[:, 0], None if causal else c[:, -1], num_chunks, reach)
     out = out.baddbmm_(q_chunks, far.view(-1, m, e))
     return out.view(batch, heads, -1, e)[:, :, :n]
@@ -119,17 +121,20 @@ def banded_toeplitz_backward(phi_q, phi_k, value, c, band_width, causal, grad_ou
             grads = torch.autograd.grad(out, leaves, grad_out)
         return (*grads[:3], grads[3] if needs_c else None)
     grad_q, grad_k, grad_v = torch.empty_like(phi_q), torch.empty_like(phi_k), torch.empty_like(value)
-    grad_c = torch.zeros_like(c) if needs_c else None
-    for b in range(batch):
-        for h in range(heads):
-            one = (slice(b, b + 1), slice(h, h + 1))
-            grads = _sequence_backward(phi_q[one], phi_k[one], value[one], c[h : h + 1], reach, chunk, causal,
-                                       grad_out[one], needs_c)
-            for target, grad in zip((grad_q, grad_k, grad_v), grads):
-                target[b, h] = grad[0, 0]
-            if needs_c:
-                grad_c[h] += grads[3][0]
-    return grad_q, grad_k, grad_v, grad_c
+    grad_c = c.new_empty(batch, *c.shape) if needs_c else None  # per sequence, summed over the batch at the end
+
+    def sequence_backward(sequence, slot):
+        b, h = divmod(sequence, heads)
+        one = (slice(b, b + 1), slice(h, h + 1))
+        grads = _sequence_backward(phi_q[one], phi_k[one], value[one], c[h : h + 1], reach, chunk, causal,
+                                   grad_out[one], needs_c)
+        for target, grad in zip((grad_q, grad_k, grad_v), grads):
+            target[b, h] = grad[0, 0]
+        if needs_c:
+            grad_c[b, h] = grads[3][0]
+
+    parallel_items(batch * heads, sequence_backward, phi_q.device)
+    return grad_q, grad_k, grad_v, grad_c.sum(0) if needs_c else None
 
 
 def _sequence_backward(phi_q, phi_k, value, c, reach, chunk, causal, grad_out, needs_c):
@@ -148,10 +153,10 @@ def _sequence_backward(phi_q, phi_k, value, c, reach, chunk, causal, grad_out, n
     # Far part, out[k] += q[k] @ far[k] with far the prefix / suffix sums of the chunk states k_s^T u_s.
     states = _chunk_states(k_rows, u_rows, chunk).view(1, 1, -1, m * e)
     c_after = None if causal else c[:, -1]
-    far = _far_sums(states, c[:, 0], c_after, num_chunks, reach)
+    far = far_sums(states, c[:, 0], c_after, num_chunks, reach)
     grad_q.baddbmm_(grad_chunks, far.view(-1, m, e).transpose(-1, -2))
     grad_far = torch.bmm(q_chunks.transpose(-1, -2), grad_chunks).view(1, 1, num_chunks, m * e)
-    grad_states, grad_before, grad_after = _far_sums_backward(
+    grad_states, grad_before, grad_after = far_sums_backward(
         states, c[:, 0], c_after, grad_far, num_chunks, reach, needs_c, needs_c
     )
     grad_states = grad_states.view(-1, m, e)
@@ -170,19 +175,6 @@ def _sequence_backward(phi_q, phi_k, value, c, reach, chunk, causal, grad_out, n
         grad_u.view(1, 1, -1, e)[:, :, front : front + n, :-1],
         grad_c,
     )
-
-
-def _far_states(states, c_before, c_after, num_chunks, reach):
-    """`_FarStates` in whole-tensor ops (for torch.compile): prefix and suffix sums through cumsum."""
-    heads = states.shape[1]
-    # before[k] = sum_{j <= k-1} states[j]
-    before = F.pad(states[:, :, : num_chunks - 1].cumsum(2), (0, 0, 1, 0))
-    far = before * c_before.view(1, heads, 1, 1)
-    if c_after is not None:
-        # after[k] = sum_{j >= k+2R+1} states[j]; nothing for the last chunk
-        tail = states[:, :, 2 * reach + 1 :].flip(2).cumsum(2).flip(2)
-        far = far + F.pad(tail, (0, 0, 0, 1)) * c_after.view(1, heads, 1, 1)
-    return far
 
 
 def _free_library(base, op):
@@ -217,10 +209,16 @@ def band_window_product(
     k_windows = k_rows.unfold(1, window, chunk)  # [B*H, chunks, m, window], a view
     u_windows = u_rows.unfold(1, window, chunk).transpose(-1, -2)  # [B*H, chunks, window, e]
     out = q.new_empty(q.shape[0], chunk, u_rows.shape[-1])
-    buffer = q.new_empty(min(BANDED_GROUP, num_chunks), chunk, window)  # reused: no allocation per group
-    for sequence, first, last, rows in _chunk_groups(sequences, num_chunks):
-        weights = torch.bmm(q[rows], k_windows[sequence, first:last], out=buffer[: last - first])
-        torch.bmm(weights.mul_(coefficients[sequence % heads]), u_windows[sequence, first:last], out=out[rows])
+    # one buffer per thread, reused: no allocation per group
+    buffers = [q.new_empty(min(BANDED_GROUP, num_chunks), chunk, window)
+               for _ in range(parallel_slots(sequences, q.device))]
+
+    def sequence_product(sequence, slot):
+        for first, last, rows in _chunk_groups(sequence, num_chunks):
+            weights = torch.bmm(q[rows], k_windows[sequence, first:last], out=buffers[slot][: last - first])
+            torch.bmm(weights.mul_(coefficients[sequence % heads]), u_windows[sequence, first:last], out=out[rows])
+
+    parallel_items(sequences, sequence_product, q.device)
     return out
 
 
@@ -270,35 +268,41 @@ def _band_window_backward(q, k_rows, u_rows, coefficients, grad_out, needs_coeff
     grad_q = torch.empty_like(q)
     grad_k = torch.zeros_like(k_rows)
     grad_u = torch.zeros_like(u_rows)
-    grad_coefficients = torch.zeros_like(coefficients) if needs_coefficients else None
-    group = min(BANDED_GROUP, num_chunks)  # per-group buffers, reused: no allocation per group
-    buffers = [q.new_empty(group, chunk, window) for _ in range(3)]
-    grad_u_windows = q.new_empty(group, window, u_rows.shape[-1])
-    grad_k_windows = q.new_empty(group, window, q.shape[-1])
-    for sequence, first, last, rows in _chunk_groups(sequences, num_chunks):
-        coefficient, count = coefficients[sequence % heads], last - first
-        q_group, grad_group = q[rows], grad_out[rows]
-        k_group, u_group = k_windows[sequence, first:last], u_windows[sequence, first:last]
-        scores = torch.bmm(q_group, k_group, out=buffers[0][:count])
-        grad_weights = torch.bmm(grad_group, u_group, out=buffers[1][:count])
-        if grad_coefficients is not None:
-            grad_coefficients[sequence % heads] += torch.mul(scores, grad_weights, out=buffers[2][:count]).sum(0)
-        weights = scores.mul_(coefficient)
-        torch.bmm(weights.transpose(-1, -2), grad_group, out=grad_u_windows[:count])
-        _fold_windows(grad_u_windows[:count], grad_u[sequence], first, chunk)
-        grad_scores = grad_weights.mul_(coefficient)
-        torch.bmm(grad_scores, k_group.transpose(-1, -2), out=grad_q[rows])
-        torch.bmm(grad_scores.transpose(-1, -2), q_group, out=grad_k_windows[:count])
-        _fold_windows(grad_k_windows[:count], grad_k[sequence], first, chunk)
+    # per sequence (summed over the batch at the end, in a fixed order)
+    grad_coefficients = q.new_zeros(sequences, chunk, window) if needs_coefficients else None
+    group = min(BANDED_GROUP, num_chunks)  # per-thread buffers, reused: no allocation per group
+    buffers = [(*(q.new_empty(group, chunk, window) for _ in range(3)), q.new_empty(group, window, u_rows.shape[-1]),
+                q.new_empty(group, window, q.shape[-1])) for _ in range(parallel_slots(sequences, q.device))]
+
+    def sequence_backward(sequence, slot):
+        scores_buffer, grad_weights_buffer, product_buffer, grad_u_windows, grad_k_windows = buffers[slot]
+        for first, last, rows in _chunk_groups(sequence, num_chunks):
+            coefficient, count = coefficients[sequence % heads], last - first
+            q_group, grad_group = q[rows], grad_out[rows]
+            k_group, u_group = k_windows[sequence, first:last], u_windows[sequence, first:last]
+            scores = torch.bmm(q_group, k_group, out=scores_buffer[:count])
+            grad_weights = torch.bmm(grad_group, u_group, out=grad_weights_buffer[:count])
+            if grad_coefficients is not None:
+                grad_coefficients[sequence] += torch.mul(scores, grad_weights, out=product_buffer[:count]).sum(0)
+            weights = scores.mul_(coefficient)
+            torch.bmm(weights.transpose(-1, -2), grad_group, out=grad_u_windows[:count])
+            _fold_windows(grad_u_windows[:count], grad_u[sequence], first, chunk)
+            grad_scores = grad_weights.mul_(coefficient)
+            torch.bmm(grad_scores, k_group.transpose(-1, -2), out=grad_q[rows])
+            torch.bmm(grad_scores.transpose(-1, -2), q_group, out=grad_k_windows[:count])
+            _fold_windows(grad_k_windows[:count], grad_k[sequence], first, chunk)
+
+    parallel_items(sequences, sequence_backward, q.device)
+    if grad_coefficients is not None:
+        grad_coefficients = grad_coefficients.view(-1, heads, chunk, window).sum(0)
     return grad_q, grad_k, grad_u, grad_coefficients
 
 
-def _chunk_groups(sequences, num_chunks):
-    """(sequence, first, last, rows): groups of BANDED_GROUP chunks, rows their slice of [B*H*chunks, ...]."""
-    for sequence in range(sequences):
-        for first in range(0, num_chunks, BANDED_GROUP):
-            last = min(first + BANDED_GROUP, num_chunks)
-            yield sequence, first, last, slice(sequence * num_chunks + first, sequence * num_chunks + last)
+def _chunk_groups(sequence, num_chunks):
+    """(first, last, rows): a sequence's groups of BANDED_GROUP chunks, rows their slice of [B*H*chunks, ...]."""
+    for first in range(0, num_chunks, BANDED_GROUP):
+        last = min(first + BANDED_GROUP, num_chunks)
+        yield first, last, slice(sequence * num_chunks + first, sequence * num_chunks + last)
 
 
 def _fold_windows(window_grads, rows, first, chunk):
@@ -308,68 +312,6 @@ def _fold_windows(window_grads, rows, first, chunk):
     for block in range(window // chunk):  # window_grads[k, block] belongs to rows (first + k + block) * s ...
         start = (first + block) * chunk
         rows[start : start + count * chunk].view(count, chunk, features).add_(window_grads[:, block * chunk : (block + 1) * chunk])
-
-
-class _FarStates(torch.autograd.Function):
-    """far[k] = c_before * sum_{j <= k-1} states[j] + c_after * sum_{j >= k+2R+1} states[j] for k < chunks.
-
-    states: [B, H, S, f] chunk states in the padded layout (R zero chunks in front, so j <= k-1 are
-    the chunks at least R+1 before chunk k); c_before, c_after: [H] (c_after None when causal).
-    Returns [B, H, chunks, f]. Running sums updated in place, one chunk at a time: a single pass over
-    the states each way (torch.cumsum plus flips and pads cost many more on CPU).
-    """
-
-    @staticmethod
-    def forward(ctx, states, c_before, c_after, num_chunks, reach):
-        ctx.save_for_backward(states, c_before, c_after)
-        ctx.num_chunks, ctx.reach = num_chunks, reach
-        return _far_sums(states, c_before, c_after, num_chunks, reach)
-
-    @staticmethod
-    def backward(ctx, grad_far):
-        states, c_before, c_after = ctx.saved_tensors
-        grads = _far_sums_backward(
-            states, c_before, c_after, grad_far, ctx.num_chunks, ctx.reach, *ctx.needs_input_grad[1:3]
-        )
-        return (*grads, None, None)
-
-
-def _far_sums(states, c_before, c_after, num_chunks, reach):
-    """`_FarStates`' forward: running sums updated in place, one chunk at a time."""
-    batch, heads, slots, features = states.shape
-    far = states.new_empty(batch, heads, num_chunks, features)
-    far[:, :, 0].zero_()
-    scale = c_before.view(1, heads, 1)
-    for k in range(1, num_chunks):
-        torch.addcmul(far[:, :, k - 1], states[:, :, k - 1], scale, out=far[:, :, k])
-    if c_after is not None:
-        scale = c_after.view(1, heads, 1)
-        running = states.new_zeros(batch, heads, features)
-        for k in range(num_chunks - 2, -1, -1):
-            running.addcmul_(states[:, :, k + 2 * reach + 1], scale)
-            far[:, :, k].add_(running)
-    return far
-
-
-def _far_sums_backward(states, c_before, c_after, grad_far, num_chunks, reach, needs_before, needs_after):
-    """(grad states, c_before or None, c_after or None) of `_FarStates`."""
-    gap = 2 * reach + 1
-    batch, heads, slots, features = states.shape
-    # before[j] = sum_{k > j} grad_far[k]; after[j] = sum_{k <= j - gap} grad_far[k].
-    before = torch.zeros_like(states)
-    for j in range(num_chunks - 2, -1, -1):
-        torch.add(before[:, :, j + 1], grad_far[:, :, j + 1], out=before[:, :, j])
-    grad_before = (before * states).sum((0, 2, 3)) if needs_before else None
-    grad_states = before.mul_(c_before.view(1, heads, 1, 1))
-    grad_after = None
-    if c_after is not None:
-        after = torch.zeros_like(states)
-        for j in range(gap, gap + num_chunks - 1):
-            torch.add(after[:, :, j - 1], grad_far[:, :, j - gap], out=after[:, :, j])
-        if needs_after:
-            grad_after = (after * states).sum((0, 2, 3))
-        grad_states.add_(after.mul_(c_after.view(1, heads, 1, 1)))
-    return grad_states, grad_before, grad_after
 
 
 def banded_chunking(band_width):

@@ -1,0 +1,193 @@
+# coding=utf-8
+"""CPU threads for the banded algorithm's loops: one parallel region per call instead of one per operator.
+
+Why (issue 45, measured on 2 cores with one other process spinning on a core): PyTorch runs each CPU operator
+as an OpenMP region split evenly over its threads, and a thread that finishes early spin-waits at the region's
+end. The banded loops run a few hundred such regions per attention call (each chunk group's matmuls, each
+chunk's running sums); once a core is shared, the spinning and the split that cannot move work off the slow
+thread cost about a scheduler slice per region: 7.8x the quiet time against SDPA's 1.7x. Here the loop's
+items are taken instead by whichever thread is free (the calling thread and `torch.get_num_threads() - 1`
+workers), each running its operators on one thread: no barrier until the last item, and a descheduled thread
+simply takes fewer items. Quiet, the same work runs as fast as before.
+
+Only the calling thread's own settings change, and only while a call runs: OpenMP's per-thread thread count
+(`omp_set_num_threads` from a thread outside any parallel region sets that thread's value) and MKL's
+thread-local count (`mkl_set_num_threads_local`). Where this torch build exposes neither (another OpenMP
+runtime, no MKL symbols), everything runs as before: `parallel_items` loops on the calling thread.
+"""
+
+import contextlib
+import ctypes
+import os
+import threading
+
+import torch
+
+
+def _load_controls():
+    """(set_omp, set_mkl_local): ctypes functions setting the calling thread's OpenMP and MKL thread counts, or
+    None where this torch build does not expose them (then nothing here changes any thread count)."""
+    if "OpenMP" not in torch.__config__.parallel_info():
+        return None  # torch's native pool has no per-thread count
+    try:
+        process = ctypes.CDLL(None)
+        set_omp, get_omp = process.omp_set_num_threads, process.omp_get_max_threads
+    except (AttributeError, OSError):
+        return None
+    set_mkl = None
+    if torch.backends.mkl.is_available():
+        try:
+            set_mkl = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+                                  ).MKL_Set_Num_Threads_Local
+        except (AttributeError, OSError):
+            return None  # MKL would keep its own threads in every worker: no per-thread control
+    set_omp.argtypes, get_omp.restype = [ctypes.c_int], ctypes.c_int
+    if set_mkl is not None:
+        set_mkl.argtypes, set_mkl.restype = [ctypes.c_int], ctypes.c_int
+    return set_omp, get_omp, set_mkl
+
+
+_CONTROLS = None
+_CONTROLS_LOADED = False
+
+
+def _controls():
+    global _CONTROLS, _CONTROLS_LOADED
+    if not _CONTROLS_LOADED:
+        _CONTROLS, _CONTROLS_LOADED = _load_controls(), True
+    return _CONTROLS
+
+
+def available():
+    """Whether this torch build lets one thread run its operators single-threaded without touching others."""
+    return _controls() is not None
+
+
+@contextlib.contextmanager
+def single_threaded(device):
+    """The calling thread's CPU operators run on one thread inside the block (its OpenMP and MKL counts are put
+    back after; other threads are unaffected). For loops of operators too small to split: each split is a
+    parallel region whose barrier a busy core makes expensive. Does nothing for another device, or where
+    `available()` is False."""
+    controls = _controls() if torch.device(device).type == "cpu" else None
+    if controls is None or torch.get_num_threads() == 1:  # get_num_threads also completes torch's per-thread init
+        yield
+        return
+    set_omp, get_omp, set_mkl = controls
+    omp = get_omp()
+    set_omp(1)
+    mkl = set_mkl(1) if set_mkl is not None else None
+    try:
+        yield
+    finally:
+        set_omp(omp)
+        if set_mkl is not None:
+            set_mkl(mkl)
+
+
+class _Job:
+    """One `parallel_items` call: items handed out one at a time to whichever thread asks."""
+
+    def __init__(self, count, task, inference, workers):
+        self.count, self.task, self.inference = count, task, inference
+        self.next, self.lock = 0, threading.Lock()
+        self.pending, self.done = workers, threading.Event()
+        self.error = None
+
+    def take(self):
+        with self.lock:
+            if self.error is not None or self.next >= self.count:
+                return None
+            self.next += 1
+            return self.next - 1
+
+    def run(self, slot):
+        try:
+            while (item := self.take()) is not None:
+                self.task(item, slot)
+        except BaseException as error:  # re-raised by the calling thread
+            with self.lock:
+                self.error = self.error or error
+
+    def finish_worker(self):
+        with self.lock:
+            self.pending -= 1
+            if self.pending == 0:
+                self.done.set()
+
+
+class _Workers:
+    """Persistent worker threads (daemons, started on first use; a forked child starts its own)."""
+
+    def __init__(self):
+        self.inboxes, self.lock, self.pid = [], threading.Lock(), os.getpid()
+
+    def ensure(self, count):
+        with self.lock:
+            if self.pid != os.getpid():  # threads do not survive fork
+                self.inboxes, self.pid = [], os.getpid()
+            while len(self.inboxes) < count:
+                inbox = _Inbox()
+                threading.Thread(target=_worker_loop, args=(inbox, len(self.inboxes) + 1), daemon=True,
+                                 name=f"nprf-cpu-{len(self.inboxes) + 1}").start()
+                self.inboxes.append(inbox)
+            return self.inboxes[:count]
+
+
+class _Inbox:
+    def __init__(self):
+        self.jobs, self.ready = [], threading.Semaphore(0)
+
+    def put(self, job):
+        self.jobs.append(job)
+        self.ready.release()
+
+    def get(self):
+        self.ready.acquire()
+        return self.jobs.pop(0)
+
+
+def _worker_loop(inbox, slot):
+    set_omp, _, set_mkl = _controls()
+    torch.get_num_threads()  # torch's per-thread init first, or its first operator would undo the next lines
+    set_omp(1)
+    if set_mkl is not None:
+        set_mkl(1)
+    while True:
+        job = inbox.get()
+        # the caller's autograd and inference modes are thread-local: mirror them (the items never record graphs)
+        with torch.inference_mode(job.inference), torch.no_grad():
+            job.run(slot)
+        job.finish_worker()
+
+
+_WORKERS = _Workers()
+
+
+def parallel_items(count, task, device):
+    """task(item, slot) for item in range(count), spread over the calling thread (slot 0) and
+    `torch.get_num_threads() - 1` workers (slots 1, 2, ...), each item on one thread with single-threaded
+    operators; returns when all have run (the first exception raised by an item is raised here). Items must
+    write disjoint outputs; per-thread buffers are indexed by slot (`parallel_slots(count)` of them).
+    With one thread, one item, a device other than the CPU or no per-thread control, a plain loop on the calling
+    thread."""
+    threads = parallel_slots(count, device)
+    if threads == 1:
+        for item in range(count):
+            task(item, 0)
+        return
+    job = _Job(count, task, torch.is_inference_mode_enabled(), threads - 1)
+    for inbox in _WORKERS.ensure(threads - 1):
+        inbox.put(job)
+    with single_threaded(device):
+        job.run(0)
+    job.done.wait()
+    if job.error is not None:
+        raise job.error
+
+
+def parallel_slots(count, device):
+    """How many threads `parallel_items(count, ..., device)` uses (its task sees slots 0 .. this - 1)."""
+    if count < 2 or torch.device(device).type != "cpu" or not available() or torch.compiler.is_compiling():
+        return 1
+    return max(1, min(torch.get_num_threads(), count))

@@ -1,0 +1,133 @@
+"""The CPU threads of the banded loops (`nprf_cpu_threads`, issue 45): every item runs once, on threads whose
+operators are single-threaded, without changing any other thread's count; and the banded algorithm run over
+them (forward, its backward, the lean training mode's backward) equals the float64 reference, the same on every
+run. The suite's workers run one thread each (conftest), so these tests ask for two themselves."""
+
+import multiprocessing
+import threading
+
+import pytest
+import torch
+from test_banded_backward import BUCKETS, DISTANCE, case, views
+
+from nprf_hf import functional as Fn
+from nprf_hf import nprf_banded, nprf_cpu_threads
+from nprf_hf.nprf_naive import naive_attention
+
+pytestmark = pytest.mark.skipif(not nprf_cpu_threads.available(), reason="this torch build has no per-thread "
+                                "OpenMP / MKL thread count: the banded loops run as plain loops")
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_every_item_runs_once_on_single_threaded_threads(two_threads):
+    """Two threads take items (the first item waits until another thread has taken one), each sees one intra-op
+    thread while it runs, and the caller's count is back afterwards; a thread started later has the default."""
+    assert nprf_cpu_threads.parallel_slots(8, "cpu") == 2
+    seen, counts, lock, other = [], set(), threading.Lock(), threading.Event()
+
+    def task(item, slot):
+        if item == 0:
+            assert other.wait(timeout=30), "no second thread took an item"
+        elif slot != 0 or item > 3:
+            other.set()
+        with lock:
+            seen.append((item, slot))
+            counts.add(torch.get_num_threads())
+
+    nprf_cpu_threads.parallel_items(8, task, "cpu")
+    assert sorted(item for item, _ in seen) == list(range(8))
+    assert {slot for _, slot in seen} == {0, 1}
+    assert counts == {1}
+    assert torch.get_num_threads() == 2
+    later = []
+    thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    assert later == [2]
+
+
+def test_an_item_error_reaches_the_caller_and_the_threads_go_on(two_threads):
+    def task(item, slot):
+        if item == 5:
+            raise ValueError("item 5")
+
+    with pytest.raises(ValueError, match="item 5"):
+        nprf_cpu_threads.parallel_items(12, task, "cpu")
+    assert torch.get_num_threads() == 2
+    done = []
+    nprf_cpu_threads.parallel_items(6, lambda item, slot: done.append(item), "cpu")
+    assert sorted(done) == list(range(6))
+
+
+def test_plain_loop_where_nothing_splits(two_threads):
+    """One item, or a device other than the CPU: the caller's own thread, its count untouched."""
+    assert nprf_cpu_threads.parallel_slots(1, "cpu") == 1
+    assert nprf_cpu_threads.parallel_slots(8, "meta") == 1
+    counts = []
+    nprf_cpu_threads.parallel_items(3, lambda item, slot: counts.append((slot, torch.get_num_threads())), "meta")
+    assert counts == [(0, 2)] * 3
+
+
+def _child_runs_items(queue):
+    done = []
+    nprf_cpu_threads.parallel_items(6, lambda item, slot: done.append(item), "cpu")
+    queue.put(sorted(done))
+
+
+def test_a_forked_child_starts_its_own_threads(two_threads):
+    nprf_cpu_threads.parallel_items(4, lambda item, slot: None, "cpu")  # the parent's workers exist
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_child_runs_items, args=(queue,))
+    child.start()
+    result = queue.get(timeout=60)
+    child.join(timeout=60)
+    assert result == list(range(6)) and child.exitcode == 0
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(nprf_banded, "BANDED_MIN_CHUNK", 2)
+    monkeypatch.setattr(nprf_banded, "BANDED_GROUP", 3)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_banded_over_threads_matches_the_reference(two_threads, small_chunks, causal, recompute):
+    """Values and the gradients of q, k, v and the bucket table against the float64 reference, with padding;
+    twice, bit for bit the same (the bias table's gradient is summed in a fixed order whichever thread ran what)."""
+    n = 61
+    q, k, v, projection, table, mask = case(n, batch=3, heads=3, seed=4)
+    bias_of = lambda table: Fn.relative_position_bias(table, n, not causal, BUCKETS, DISTANCE)  # noqa: E731
+    band = Fn.rpe_band_width(BUCKETS, DISTANCE, not causal)
+    ref = naive_attention(*views(q, k, v), bias_of(table), projection, mask, causal)
+    weights = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    want = torch.autograd.grad((ref * weights).sum(), (q, k, v, table))
+    runs = []
+    for _ in range(2):
+        out = Fn.nprf_attention(*views(q, k, v), bias_of(table), projection, mask, "banded", causal, band_width=band,
+                                recompute=recompute)
+        torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-11)
+        got = torch.autograd.grad((out * weights).sum(), (q, k, v, table))
+        for a, b, name in zip(got, want, ("q", "k", "v", "table")):
+            torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10, msg=name)
+        runs.append(got)
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_banded_over_threads_under_inference_mode(two_threads, small_chunks):
+    """The workers take the caller's inference mode (in-place work on inference tensors is refused outside it)."""
+    q, k, v, projection, table, mask = case(50, batch=2, heads=2, seed=6)
+    bias = Fn.relative_position_bias(table, 50, True, BUCKETS, DISTANCE).detach()
+    args = (*(t.detach().transpose(1, 2) for t in (q, k, v)), bias, projection, mask, "banded")
+    band = Fn.rpe_band_width(BUCKETS, DISTANCE)
+    with torch.inference_mode():
+        out = Fn.nprf_attention(*args, band_width=band)
+    torch.testing.assert_close(out, naive_attention(*args[:6]), rtol=1e-9, atol=1e-11)
