@@ -27,6 +27,10 @@ Design notes:
 - Generation: NPRF decoders decode through `cache_nprf.NPRFCache` (the far sums S, z and the last W - 1
   keys: constant cost and memory per token, exact); a growing HF cache still works (zero queries are
   padded in front of the cached positions and their rows dropped).
+- Packed sequences. A batch without padding between its sequences (transformers' `DataCollatorWithFlattening`:
+  sequences concatenated in a row, `position_ids` starting again at each) is found from the position ids when no
+  cache is passed (`PackedSequences`); every layer then attends each sequence alone (one row per sequence inside
+  the attention: its own relative positions, far sums and optional terms), and a decoder makes no cache.
 - Cross-attention (decoder with `add_cross_attention=True`) is HF's softmax cross-attention,
   unchanged: the paper's RPE has no meaning between two different sequences.
 - Attention dropout (`attention_probs_dropout_prob`) is not applied: the fast algorithms never
@@ -159,6 +163,90 @@ def split_attention_mask(attention_mask, query_length, key_length, causal, batch
 
 
 # ---------------------------------------------------------------------------------------------
+# Packed sequences (padding-free batches)
+# ---------------------------------------------------------------------------------------------
+
+
+class PackedSequences:
+    """Where the sequences packed into the rows of a padding-free batch lie, and the moves between that layout
+    [B, ..., L, ...] and one row per sequence [N, ..., Lmax, ...] (each sequence from slot 0, the rest of its row
+    masked as padding): attention run on the unpacked rows is each sequence's attention alone (its own relative
+    positions from 0, its own causal order, its own far sums), and nothing crosses a boundary.
+
+    Attributes: `rows` [N] the batch row of each sequence; `slots` [N, Lmax] the flat index (row * L + token) of
+    each sequence's tokens, in order; `valid` [N, Lmax] bool; `length` L; `max_length` Lmax."""
+
+    def __init__(self, rows, slots, valid, batch_size, length):
+        self.rows, self.slots, self.valid = rows, slots, valid
+        self.batch_size, self.length, self.max_length = batch_size, length, valid.shape[-1]
+
+    @classmethod
+    @torch.compiler.disable  # reads how many sequences there are and how long on the host (sizes of the unpacked rows)
+    def find(cls, position_ids, key_padding_mask, batch_size):
+        """The packed sequences of a batch, or None when every row holds one sequence.
+
+        As transformers' `find_packed_sequence_indices`: a sequence starts where the position ids do not go on by
+        one, here counted over the real tokens only (`key_padding_mask` [B, L] True = keep, or None), so a padded
+        batch (left, right, or with holes, position ids of padding anything) is one sequence per row.
+        position_ids: [B or 1, L]."""
+        position_ids = position_ids.expand(batch_size, -1)
+        length = position_ids.shape[-1]
+        real = torch.ones_like(position_ids, dtype=torch.bool) if key_padding_mask is None else key_padding_mask.bool()
+        tokens = torch.arange(length, device=position_ids.device).expand_as(position_ids)
+        # the index of the previous real token of the row (-1: none)
+        previous = torch.cummax(torch.where(real, tokens, -1), dim=-1).values
+        previous = F.pad(previous[:, :-1], (1, 0), value=-1)
+        previous_position = position_ids.gather(-1, previous.clamp_min(0))
+        starts = real & ((previous < 0) | (position_ids != previous_position + 1))
+        if not bool((starts.sum(-1) > 1).any()):
+            return None
+        count = real.long().cumsum(-1) - 1  # real tokens before this one in its row
+        rank = count - torch.cummax(torch.where(starts, count, -1), dim=-1).values  # its place in its sequence
+        sequence = starts.long().flatten().cumsum(0).view_as(starts) - 1  # its sequence, numbered over the batch
+        number, max_length = int(starts.sum()), int(rank[real].max()) + 1
+        where = (sequence * max_length + rank)[real]
+        slots = position_ids.new_zeros(number * max_length, dtype=torch.long)
+        slots[where] = (torch.arange(batch_size, device=tokens.device)[:, None] * length + tokens)[real]
+        valid = torch.zeros(number * max_length, dtype=torch.bool, device=tokens.device)
+        valid[where] = True
+        rows = torch.arange(batch_size, device=tokens.device)[:, None].expand_as(starts)[starts]
+        return cls(rows, slots.view(number, max_length), valid.view(number, max_length), batch_size, length)
+
+    def unpack(self, states):
+        """[B, H, L, d] -> [N, H, Lmax, d] (zeros in the padding slots: no gradient reaches a token through them)."""
+        heads = states.shape[1]
+        flat = states.transpose(1, 2).reshape(self.batch_size * self.length, heads, -1)
+        unpacked = flat[self.slots] * self.valid[..., None, None].to(flat.dtype)
+        return unpacked.transpose(1, 2)
+
+    def unpack_ids(self, ids):
+        """[B or 1, L] ids -> [N, Lmax] (0 in the padding slots), or None for None."""
+        if ids is None:
+            return None
+        ids = ids.expand(self.batch_size, -1).reshape(-1)
+        return ids[self.slots].masked_fill(~self.valid, 0)
+
+    def pack(self, states):
+        """[N, H, Lmax, d] -> [B, H, L, d]; tokens in no sequence (padding) get zeros."""
+        heads = states.shape[1]
+        flat = states.transpose(1, 2).reshape(-1, heads, states.shape[-1])[self.valid.flatten()]
+        packed = flat.new_zeros(self.batch_size * self.length, heads, states.shape[-1])
+        packed = packed.index_copy(0, self.slots[self.valid], flat)
+        return packed.view(self.batch_size, self.length, heads, -1).transpose(1, 2)
+
+    def pack_weights(self, weights):
+        """Attention weights [N, H, Lmax, Lmax] -> [B, H, L, L], zero between different sequences."""
+        heads, length = weights.shape[1], self.length
+        pairs = self.valid[:, :, None] & self.valid[:, None, :]
+        # flat (row, query, key) index of each pair: slots hold row * L + token
+        keys = self.slots % length
+        index = (self.slots[:, :, None] * length + keys[:, None, :])[pairs]
+        flat = weights.permute(0, 2, 3, 1)[pairs]
+        packed = flat.new_zeros(self.batch_size * length * length, heads).index_copy(0, index, flat)
+        return packed.view(self.batch_size, length, length, heads).permute(0, 3, 1, 2)
+
+
+# ---------------------------------------------------------------------------------------------
 # The NPRF self-attention (every family)
 # ---------------------------------------------------------------------------------------------
 
@@ -288,6 +376,7 @@ class NPRFSelfAttention(nn.Module):
         segment_ids=None,
         token_ids=None,
         rpe_bias=None,
+        packed_sequences=None,
         **kwargs,
     ):
         """
@@ -303,6 +392,10 @@ class NPRFSelfAttention(nn.Module):
             token_ids: [B, L] input ids, used with `config.token_match`.
             rpe_bias: [H, 2 Lk - 1], the shared table's relative bias, computed once per forward by the base
                 model (layers with a table of their own ignore it).
+            packed_sequences: a `PackedSequences` (a padding-free batch, found by the base model from the
+                position ids): each sequence attends within itself only, as alone; `attention_mask` is then
+                ignored (the padding is in it), `segment_ids` / `token_ids` are in its unpacked layout [N, Lmax]
+                and `rpe_bias` is [H, 2 Lmax - 1].
         Returns:
             (attn_output [B, Lq, hidden], attn_weights [B, H, Lq, Lk] or None).
         """
@@ -322,6 +415,15 @@ class NPRFSelfAttention(nn.Module):
             if layout.output is not None:
                 attn_output = getattr(self, layout.output)(attn_output)
             return attn_output, attn_weights
+
+        if packed_sequences is not None:
+            if past_key_values is not None:
+                raise ValueError(
+                    "packed sequences (position ids starting again within a row) cannot be cached: use_cache=False"
+                )
+            # one row per sequence: from here on the attention of a padded batch, packed back at the end
+            query, key, value = (packed_sequences.unpack(states) for states in (query, key, value))
+            attention_mask = packed_sequences.valid
 
         if past_key_values is not None:
             cache = past_key_values
@@ -361,8 +463,9 @@ class NPRFSelfAttention(nn.Module):
         first = key_length - query_length  # rows of the current queries
         sharded = context_parallel_group()  # inside `context_parallel`: this rank holds a shard of the sequence
         if sharded is not None:
-            if output_attentions or general_mask is not None or first:
-                raise ValueError("context_parallel takes padding masks only, without output_attentions or a cache")
+            if output_attentions or general_mask is not None or first or packed_sequences is not None:
+                raise ValueError("context_parallel takes padding masks only, without output_attentions, a cache or "
+                                 "packed sequences")
             # the bias of r = -W .. W (the ends stand for every farther distance): the shard's own may reach less far
             band_bias = relative_position_bias(self.bucket_table(rpe_table), self.band_width + 1, self.bidirectional,
                                                self.config.rpe_num_buckets, self.config.rpe_max_distance)
@@ -413,6 +516,10 @@ class NPRFSelfAttention(nn.Module):
             attn_output = (attn_weights @ value.to(compute_dtype)).to(value.dtype)
             attn_weights = attn_weights.to(value.dtype)
 
+        if packed_sequences is not None:
+            attn_output = packed_sequences.pack(attn_output)
+            if attn_weights is not None:
+                attn_weights = packed_sequences.pack_weights(attn_weights)
         attn_output = attn_output.transpose(1, 2).reshape(*input_shape, -1).contiguous()
         if layout.output is not None:
             attn_output = getattr(self, layout.output)(attn_output)
@@ -638,6 +745,10 @@ class NPRFPreTrainedMixin:
     """What every NPRF pre-trained base adds to its family's: masks come as the NPRF base model builds
     them (no flash / flex / attention backends), and `_init_weights` also (re)builds the NPRF tensors."""
 
+    # The self-attention is NPRF attention whatever `attn_implementation` says: flash / flex attention kernels and
+    # transformers' table of attention functions (`_supports_attention_backend`: what vLLM / TGI replace with their
+    # softmax kernels) compute softmax attention, which would silently stand in for it. Padding-free batches (packed
+    # sequences, which transformers' tests read from `_supports_attention_backend`) the base model handles itself.
     _supports_flash_attn = False
     _supports_flex_attn = False
     _supports_attention_backend = False
@@ -649,7 +760,8 @@ class NPRFPreTrainedMixin:
     _can_set_attn_implementation_cached_value = True
     # torch.compile(model, fullgraph=True) traces forward and backward without a graph break for every
     # attention algorithm (tests/test_compile.py). Not with what must read tensors on the host: a general 4D
-    # attention mask (told apart from a padding mask by its values), `feature_redraw_interval > 0` in training.
+    # attention mask (told apart from a padding mask by its values), `feature_redraw_interval > 0` in training,
+    # `position_ids` without a cache (packed sequences are found from them on the host: `PackedSequences.find`).
     # generate() compiles its decode step with a compileable cache: `cache_implementation="static"` (NPRFStaticCache).
     _can_compile_fullgraph = True
 
@@ -835,6 +947,23 @@ class NPRFModelMixin:
                 attention_mask, query_length, key_length, causal, self.config.num_attention_heads
             )
         self.maybe_redraw_projections()
+        packed = None
+        position_ids = arguments.get("position_ids")
+        mask = arguments.get("attention_mask")
+        if (
+            position_ids is not None
+            and reference is not None
+            and past is None
+            and (mask is None or mask.shape[1:3] == (1, 1))  # a general mask says itself what each query sees
+            and key_length == query_length
+        ):  # a padding-free batch: sequences packed into a row, position ids starting again at each
+            packed = arguments["packed_sequences"] = PackedSequences.find(
+                position_ids, None if mask is None else mask[:, 0, 0, :], reference.shape[0]
+            )
+        if packed is not None:
+            # no cache: each sequence is attended alone, and a cache of the row could continue none of them
+            arguments["use_cache"] = False
+            key_length = packed.max_length  # of the unpacked rows, which the shared bias is for
         use_cache, output_attentions = arguments.get("use_cache"), arguments.get("output_attentions")
         if (
             causal
@@ -861,8 +990,10 @@ class NPRFModelMixin:
                     far_bucket_table(table, self.config.rpe_far_bias, not causal), key_length, not causal,
                     self.config.rpe_num_buckets, self.config.rpe_max_distance,
                 )
-        arguments.update(term_inputs(self.config, input_ids, arguments.get("token_type_ids"),
-                                     arguments.get("segment_ids"), arguments.get("token_ids")))
+        ids = (input_ids, arguments.get("token_type_ids"), arguments.get("segment_ids"), arguments.get("token_ids"))
+        if packed is not None:  # the terms' ids of each sequence alone (RoBERTa's separators counted from its start)
+            ids = [packed.unpack_ids(i) for i in ids]
+        arguments.update(term_inputs(self.config, *ids))
         return super().forward(**arguments)
 
 

@@ -10,8 +10,10 @@ files (`test_model`, `test_for_masked_lm`, ...) call the plain classes by name.
 Nothing is skipped here beyond what transformers' mixins skip themselves for the plain models.
 """
 
+import contextlib
 import os
 import unittest
+from unittest import mock
 
 import pytest
 
@@ -79,7 +81,7 @@ DEFAULT = {
         "test_static_cache_no_recompile_with_smaller_length", "test_past_key_values_format",
         "test_greedy_generate_dict_outputs_use_cache", "test_beam_search_generate_dict_outputs_use_cache",
         "test_generate_continue_from_past_key_values", "test_left_padding_compatibility", "test_save_load",
-        "test_attention_outputs", "test_training",
+        "test_attention_outputs", "test_training", "test_eager_padding_matches_padding_free_with_position_ids",
     },
 }
 
@@ -136,6 +138,23 @@ class _NPRFCacheFormat:
             self.assertEqual(tuple(layer.real_tokens.shape), (batch_size,))
 
 
+class _PackedSequences:
+    """transformers' padding-free tests (`test_eager_padding_matches_padding_free_with_position_ids`, its sdpa twin)
+    skip a model whose `_supports_attention_backend` is False, taking that flag as its sign of packed-sequence support
+    ("can't infer if new attn mask API is supported by assume that only model with attention backend support it").
+    The flag claims more: that the model takes its attention from transformers' table of attention functions (where
+    vLLM / TGI put their softmax kernels), which the NPRF self-attention does not (it is not softmax attention), so
+    it stays False on the NPRF classes. Packed sequences NPRF models do support (each sequence attended alone, from
+    the position ids: tests/test_packed_sequences.py), so here transformers' own test runs with the flag set on the
+    generative classes for its duration."""
+
+    def attention_mask_padding_matches_padding_free_with_position_ids(self, attn_implementation, fa_kwargs=False):
+        with contextlib.ExitStack() as stack:
+            for model_class in self.all_generative_model_classes:
+                stack.enter_context(mock.patch.object(model_class, "_supports_attention_backend", True))
+            return super().attention_mask_padding_matches_padding_free_with_position_ids(attn_implementation, fa_kwargs)
+
+
 class _PreTrainingLabels:
     """transformers' `_prepare_for_class` of BertModelTest / ElectraModelTest: labels for the pre-training head."""
 
@@ -162,7 +181,8 @@ def _classes(model_type, first="Model"):
     return tuple(sorted(classes, key=lambda cls: not cls.__name__.endswith(first)))
 
 
-class NPRFRobertaModelTest(_DecoderGenerate, _NPRFCacheFormat, ModelTesterMixin, GenerationTesterMixin, unittest.TestCase):
+class NPRFRobertaModelTest(_DecoderGenerate, _PackedSequences, _NPRFCacheFormat, ModelTesterMixin,
+                           GenerationTesterMixin, unittest.TestCase):
     all_model_classes = _classes("roberta", first="ForCausalLM")
     model_split_percents = [0.5, 0.8, 0.9]
 
@@ -170,7 +190,8 @@ class NPRFRobertaModelTest(_DecoderGenerate, _NPRFCacheFormat, ModelTesterMixin,
         self.model_tester = nprf_tester(RobertaModelTester, nprf_hf.NPRFRobertaConfig)(self)
 
 
-class NPRFXLMRobertaModelTest(_DecoderGenerate, _NPRFCacheFormat, ModelTesterMixin, GenerationTesterMixin, unittest.TestCase):
+class NPRFXLMRobertaModelTest(_DecoderGenerate, _PackedSequences, _NPRFCacheFormat, ModelTesterMixin,
+                              GenerationTesterMixin, unittest.TestCase):
     """transformers has no common-test class for XLM-RoBERTa (its classes are RoBERTa's): RoBERTa's tester."""
 
     all_model_classes = _classes("xlm-roberta", first="ForCausalLM")
@@ -192,8 +213,8 @@ class NPRFBertModelTest(_PreTrainingLabels, ModelTesterMixin, unittest.TestCase)
         self.model_tester = nprf_tester(BertModelTester, nprf_hf.NPRFBertConfig)(self)
 
 
-class NPRFElectraModelTest(_DecoderGenerate, _NPRFCacheFormat, _PreTrainingLabels, ModelTesterMixin, GenerationTesterMixin,
-                           unittest.TestCase):
+class NPRFElectraModelTest(_DecoderGenerate, _PackedSequences, _NPRFCacheFormat, _PreTrainingLabels, ModelTesterMixin,
+                           GenerationTesterMixin, unittest.TestCase):
     all_model_classes = _classes("electra")
 
     def setUp(self):
