@@ -88,8 +88,9 @@ def single_threaded(device):
 class _Job:
     """One `parallel_items` call: items handed out one at a time to whichever thread asks."""
 
-    def __init__(self, count, task, inference, workers):
+    def __init__(self, count, task, inference, workers, threads, static):
         self.count, self.task, self.inference = count, task, inference
+        self.threads, self.static = threads, static
         self.next, self.lock = 0, threading.Lock()
         self.pending, self.done = workers, threading.Event()
         self.error = None
@@ -101,9 +102,14 @@ class _Job:
             self.next += 1
             return self.next - 1
 
+    def items(self, slot):
+        if self.static:  # slot s runs items s, s + threads, ...: what a slot sums does not depend on timing
+            return (item for item in range(slot, self.count, self.threads) if self.error is None)
+        return iter(self.take, None)
+
     def run(self, slot):
         try:
-            while (item := self.take()) is not None:
+            for item in self.items(slot):
                 self.task(item, slot)
         except BaseException as error:  # re-raised by the calling thread
             with self.lock:
@@ -164,11 +170,13 @@ def _worker_loop(inbox, slot):
 _WORKERS = _Workers()
 
 
-def parallel_items(count, task, device):
+def parallel_items(count, task, device, static=False):
     """task(item, slot) for item in range(count), spread over the calling thread (slot 0) and
     `torch.get_num_threads() - 1` workers (slots 1, 2, ...), each item on one thread with single-threaded
     operators; returns when all have run (the first exception raised by an item is raised here). Items must
-    write disjoint outputs; per-thread buffers are indexed by slot (`parallel_slots(count)` of them).
+    write disjoint outputs; per-thread buffers are indexed by slot (`parallel_slots(count)` of them). Items go to
+    whichever thread is free, or with `static` to slot item % threads (for sums per slot that must not depend on
+    timing: the same on every run with the same thread count).
     With one thread, one item, a device other than the CPU or no per-thread control, a plain loop on the calling
     thread."""
     threads = parallel_slots(count, device)
@@ -176,7 +184,7 @@ def parallel_items(count, task, device):
         for item in range(count):
             task(item, 0)
         return
-    job = _Job(count, task, torch.is_inference_mode_enabled(), threads - 1)
+    job = _Job(count, task, torch.is_inference_mode_enabled(), threads - 1, threads, static)
     for inbox in _WORKERS.ensure(threads - 1):
         inbox.put(job)
     with single_threaded(device):

@@ -17,6 +17,7 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
+from .nprf_cpu_threads import parallel_items, parallel_slots
 from .nprf_features import NORM_EPS, kept_denominator, row_norms
 from .nprf_positions import toeplitz_matrix
 
@@ -51,16 +52,20 @@ def _dense_forward(phi_q, phi_k, value, c, key_lengths, normalized):
     d = value.shape[-1]
     toeplitz = toeplitz_matrix(c, n)
     group = _head_group(heads, n, phi_q.element_size(), 1)
-    weights_buffer = phi_q.new_empty(group * n * n)
-    numerator = None if normalized else phi_q.new_empty(group, n, d)
+    # per thread (a sequence per thread on the CPU: `nprf_cpu_threads`)
+    buffers = [(phi_q.new_empty(group * n * n), None if normalized else phi_q.new_empty(group, n, d))
+               for _ in range(parallel_slots(batch, phi_q.device))]
     out = phi_q.new_empty(batch, heads, n, d if normalized else d + 1)
     divisors = phi_q.new_empty(batch, heads, n, 1) if normalized else None
-    for b, length in enumerate(key_lengths):
+
+    def sequence_forward(b, slot):
+        length = key_lengths[b]
         if length == 0:
             out[b].zero_()
             if normalized:
                 divisors[b].fill_(float("inf"))
-            continue
+            return
+        weights_buffer, numerator = buffers[slot]
         for first in range(0, heads, group):
             last = min(first + group, heads)
             weights = weights_buffer[: (last - first) * n * length].view(last - first, n, length)
@@ -73,6 +78,8 @@ def _dense_forward(phi_q, phi_k, value, c, key_lengths, normalized):
             else:
                 out[b, first:last, :, :d] = torch.matmul(weights, value[b, first:last, :length], out=numerator[: last - first])
                 torch.sum(weights, dim=-1, keepdim=True, out=out[b, first:last, :, d:])
+
+    parallel_items(batch, sequence_forward, phi_q.device)
     return out, divisors
 
 
@@ -121,18 +128,23 @@ class _DenseToeplitzProduct(torch.autograd.Function):
         grad_q = torch.zeros_like(phi_q) if need_q else None
         grad_k = torch.zeros_like(phi_k) if need_k else None
         grad_v = torch.zeros_like(value) if need_v else None
-        grad_toeplitz = phi_q.new_zeros(heads, n, n) if need_c else None
         group = _head_group(heads, n, phi_q.element_size(), 2)
-        products = phi_q.new_empty(group * n * n)
-        weights_buffer = phi_q.new_empty(group * n * n)
-        for b, length in enumerate(ctx.lengths):
+        # per thread, a sequence per thread on the CPU; C's gradient summed per thread, each thread's sequences
+        # fixed (`static`), then over the threads in order: the same on every run
+        slots = parallel_slots(batch, phi_q.device)
+        buffers = [(phi_q.new_empty(group * n * n), phi_q.new_empty(group * n * n),
+                    phi_q.new_zeros(heads, n, n) if need_c else None) for _ in range(slots)]
+
+        def sequence_backward(b, slot):
+            length = ctx.lengths[b]
             if length == 0:
-                continue
+                return
+            products, weights_buffer, grad_toeplitz = buffers[slot]
             for first in range(0, heads, group):
                 last = min(first + group, heads)
                 heads_ = slice(first, last)
                 q, k, v = phi_q[b, heads_], phi_k[b, heads_, :length], value[b, heads_, :length]
-                if ctx.normalized:  # y = numerator / divisor: dL/dnumerator = g / divisor, dL/ddenominator = -(g / divisor) . y
+                if ctx.normalized:  # y = numerator / divisor: dL/dnumerator = g / divisor, dL/ddenominator = -(g/divisor).y
                     g = grad_out[b, heads_] / divisors[b, heads_]
                     grad_denominator_ = -(g * out[b, heads_]).sum(-1, keepdim=True)
                 else:
@@ -153,10 +165,15 @@ class _DenseToeplitzProduct(torch.autograd.Function):
                     torch.matmul(grad_weights, k, out=grad_q[b, heads_])
                 if need_k:
                     torch.matmul(grad_weights.transpose(-1, -2), q, out=grad_k[b, heads_, :length])
+
+        parallel_items(batch, sequence_backward, phi_q.device, static=True)
         grad_c = None
         if need_c:  # C_ij = c_{j-i}: each coefficient gets the sum of its diagonal
             positions = torch.arange(n, device=c.device)
             index = (positions[None, :] - positions[:, None] + n - 1).reshape(1, -1).expand(heads, -1)
+            grad_toeplitz = buffers[0][2]
+            for buffer in buffers[1:]:
+                grad_toeplitz.add_(buffer[2])
             grad_c = torch.zeros_like(c).scatter_add_(1, index, grad_toeplitz.reshape(heads, -1))
         return grad_q, grad_k, grad_v, grad_c, None, None
 

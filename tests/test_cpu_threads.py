@@ -131,3 +131,37 @@ def test_banded_over_threads_under_inference_mode(two_threads, small_chunks):
     with torch.inference_mode():
         out = Fn.nprf_attention(*args, band_width=band)
     torch.testing.assert_close(out, naive_attention(*args[:6]), rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("normalized", [False, True])
+def test_dense_in_cache_over_threads_matches_autograd(two_threads, normalized):
+    """The in-cache dense products (a sequence per thread) against plain autograd through the n x n weights, float64,
+    with a sequence cut short and one with no key; the gradients twice bit for bit the same."""
+    from nprf_hf.nprf_dense import dense_toeplitz_attention, dense_toeplitz_inference, dense_toeplitz_training
+    from nprf_hf.nprf_features import values_and_ones
+    generator = torch.Generator().manual_seed(7)
+    batch, heads, n, m, d = 5, 3, 24, 4, 5
+    lengths = [n, 17, 0, 1, n]
+    kept = (torch.arange(n)[None, :] < torch.tensor(lengths)[:, None]).to(torch.float64)[:, None, :, None]
+    phi_q = torch.rand(batch, heads, n, m, dtype=torch.float64, generator=generator).requires_grad_(True)
+    phi_k = torch.rand(batch, heads, n, m, dtype=torch.float64, generator=generator).requires_grad_(True)
+    value = torch.randn(batch, heads, n, d, dtype=torch.float64, generator=generator).requires_grad_(True)
+    c = torch.rand(heads, 2 * n - 1, dtype=torch.float64, generator=generator).requires_grad_(True)
+    sums = dense_toeplitz_attention(phi_q, phi_k * kept, values_and_ones(value), c)
+    ref = sums
+    if normalized:
+        denominators = sums[..., -1:]
+        ref = torch.where(denominators > 0, sums[..., :-1] / denominators.clamp_min(1e-300), 0.0)
+    weights = torch.randn(ref.shape, dtype=torch.float64, generator=generator)
+    want = torch.autograd.grad((ref * weights).sum(), (phi_q, phi_k, value, c))
+    with torch.no_grad():
+        torch.testing.assert_close(dense_toeplitz_inference(phi_q, phi_k * kept, value, c, lengths, normalized), ref)
+    runs = []
+    for _ in range(2):
+        out = dense_toeplitz_training(phi_q, phi_k * kept, value, c, lengths, normalized)
+        torch.testing.assert_close(out, ref)
+        got = torch.autograd.grad((out * weights).sum(), (phi_q, phi_k, value, c))
+        for a, b, name in zip(got, want, ("phi_q", "phi_k", "value", "c")):
+            torch.testing.assert_close(a, b, msg=name)
+        runs.append(got)
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
