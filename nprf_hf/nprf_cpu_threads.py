@@ -85,6 +85,17 @@ def single_threaded(device):
             set_mkl(mkl)
 
 
+# Operators on at most this many elements run on one thread where `single_threaded_below` is used: split over
+# threads they gain little, and each split is a parallel region (the recurrent decode step: [B, H, m, d + 1] states).
+SINGLE_THREAD_MAX_ELEMENTS = 1 << 18
+
+
+def single_threaded_below(elements, device):
+    """`single_threaded(device)` when the work's operators touch at most SINGLE_THREAD_MAX_ELEMENTS elements, else
+    a block that changes nothing."""
+    return single_threaded(device) if elements <= SINGLE_THREAD_MAX_ELEMENTS else contextlib.nullcontext()
+
+
 class _Job:
     """One `parallel_items` call: items handed out one at a time to whichever thread asks."""
 

@@ -22,6 +22,7 @@ kernels (`nprf_triton.triton_decode_step`), and as the PyTorch product below oth
 
 import torch
 
+from .nprf_cpu_threads import single_threaded_below
 from .nprf_dispatch import kernel_or_auto
 from .nprf_features import compute_dtype, normalize_attention, values_and_ones, variant_features
 from .nprf_positions import t5_relative_position_bucket, toeplitz_coefficients
@@ -120,7 +121,8 @@ def recurrent_step(query, key, value, new_mask, state, table, projection, band_w
         algorithm, query, projection, variant, terms
     ) == "triton":
         return triton_decode_step(query, key, value, new_mask, state, c, projection, terms.logit_scale)
-    phi_k, u = key_features_and_values(key, value, new_mask, projection, variant, terms.logit_scale)
-    phi_q = variant_features(query.to(dtype), projection, variant, terms.logit_scale)
-    sums, *state = recurrent_attention(phi_q, phi_k, u, *state, c)
-    return normalize_attention(sums[..., :-1], sums[..., -1:]).to(query.dtype), state
+    with single_threaded_below(state[0].numel() * query.shape[2], query.device):  # a decode step: small operators
+        phi_k, u = key_features_and_values(key, value, new_mask, projection, variant, terms.logit_scale)
+        phi_q = variant_features(query.to(dtype), projection, variant, terms.logit_scale)
+        sums, *state = recurrent_attention(phi_q, phi_k, u, *state, c)
+        return normalize_attention(sums[..., :-1], sums[..., -1:]).to(query.dtype), state

@@ -165,3 +165,30 @@ def test_dense_in_cache_over_threads_matches_autograd(two_threads, normalized):
             torch.testing.assert_close(a, b, msg=name)
         runs.append(got)
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+@pytest.mark.parametrize("limit", [1 << 18, 0])
+def test_a_small_decode_step_runs_on_one_thread(two_threads, monkeypatch, limit):
+    """The recurrent step of one token touches [B, H, m, e] states: its operators run on one thread (each split
+    would be a parallel region), unless the states are larger than the limit; the caller's count is back after."""
+    from nprf_hf import nprf_recurrent
+    monkeypatch.setattr(nprf_cpu_threads, "SINGLE_THREAD_MAX_ELEMENTS", limit)
+    seen = []
+    real = nprf_recurrent.recurrent_attention
+
+    def recording(*args):
+        seen.append(torch.get_num_threads())
+        return real(*args)
+
+    monkeypatch.setattr(nprf_recurrent, "recurrent_attention", recording)
+    generator = torch.Generator().manual_seed(8)
+    batch, heads, d, m, band = 2, 3, 4, 5, 7
+    query, key, value = (torch.randn(batch, heads, 1, d, generator=generator) for _ in range(3))
+    state = (torch.rand(batch, heads, m, d + 1, generator=generator), torch.rand(batch, heads, band - 1, m,
+             generator=generator), torch.rand(batch, heads, band - 1, d + 1, generator=generator))
+    projection = Fn.draw_projection(m, d, "orf", num_heads=heads, generator=generator)
+    table = torch.randn(heads, BUCKETS, generator=generator)
+    from nprf_hf.nprf_terms import AttentionTerms
+    out, _ = nprf_recurrent.recurrent_step(query, key, value, None, state, table, projection, band, BUCKETS, DISTANCE,
+                                           "auto", "nprf", AttentionTerms())
+    assert seen == [1 if limit else 2] and torch.get_num_threads() == 2 and torch.isfinite(out).all()
