@@ -67,9 +67,10 @@ def available():
 def single_threaded(device):
     """The calling thread's CPU operators run on one thread inside the block (its OpenMP and MKL counts are put
     back after; other threads are unaffected). For loops of operators too small to split: each split is a
-    parallel region whose barrier a busy core makes expensive. Does nothing for another device, or where
-    `available()` is False."""
-    controls = _controls() if torch.device(device).type == "cpu" else None
+    parallel region whose barrier a busy core makes expensive. Does nothing for another device, under
+    torch.compile, or where `available()` is False."""
+    # compiled code: nothing to trace here (inductor's own loops are one region each)
+    controls = _controls() if torch.device(device).type == "cpu" and not torch.compiler.is_compiling() else None
     if controls is None or torch.get_num_threads() == 1:  # get_num_threads also completes torch's per-thread init
         yield
         return
