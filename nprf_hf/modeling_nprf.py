@@ -949,6 +949,12 @@ class NPRFModelMixin:
         self.maybe_redraw_projections()
         packed = None
         position_ids = arguments.get("position_ids")
+        if arguments.get("cu_seq_lens_q") is not None and position_ids is None:
+            raise ValueError(
+                "cu_seq_lens_q (flash-attention's packed-sequence boundaries) without position_ids: NPRF models find "
+                "packed sequences from the position ids, which the absolute position embeddings read too; pass them "
+                "(DataCollatorWithFlattening returns them unless return_position_ids=False)"
+            )
         mask = arguments.get("attention_mask")
         if (
             position_ids is not None

@@ -177,6 +177,26 @@ def test_data_collator_with_flattening():
         start += len(sequence)
 
 
+def test_flash_attention_boundaries_without_position_ids_are_refused():
+    """cu_seq_lens_q alone (DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=False))
+    would otherwise be ignored: one sequence across the boundaries."""
+    from transformers import DataCollatorWithFlattening
+
+    model = tiny_model("bert", "masked-lm")
+    row = sequences(torch.Generator().manual_seed(7), LENGTHS)
+    features = [{"input_ids": s.tolist()} for s in row]
+    batch = DataCollatorWithFlattening(return_tensors="pt", return_flash_attn_kwargs=True,
+                                       return_position_ids=False)(features)
+    batch.pop("labels")
+    with pytest.raises(ValueError, match="cu_seq_lens_q .* without position_ids.*return_position_ids"):
+        model(**batch)
+    batch = DataCollatorWithFlattening(return_tensors="pt", return_flash_attn_kwargs=True)(features)
+    batch.pop("labels")
+    packed = model(**batch).logits
+    alone = model(input_ids=row[1][None]).logits
+    torch.testing.assert_close(packed[0, LENGTHS[0] : LENGTHS[0] + LENGTHS[1]], alone[0], rtol=1e-9, atol=1e-9)
+
+
 def test_find_packed_sequences():
     find = PackedSequences.find
     # one sequence per row: plain positions, right / left padding with any position of the padding, holes

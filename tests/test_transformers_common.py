@@ -7,11 +7,19 @@ per-family settings transformers' own test class makes (`prepare_config_and_inpu
 config a decoder, the pre-training labels). Only the common tests run: the per-model tests of transformers'
 files (`test_model`, `test_for_masked_lm`, ...) call the plain classes by name.
 
-Nothing is skipped here beyond what transformers' mixins skip themselves for the plain models.
+Nothing is skipped here beyond what transformers' mixins skip themselves for the plain models. Where the NPRF classes
+differ from the plain ones on purpose: transformers' padding-free tests, which read packed-sequence support from
+`_supports_attention_backend`, run with that flag set for their duration (`_PackedSequences`: NPRF models pack, but
+are no softmax attention backend); the flash- / flex-attention tests, which run for the plain models on a GPU with
+those kernels, skip for the NPRF ones saying why (`explain_kernel_skips`). BERT's NPRF classes have no causal LM
+head (transformers' `BertLMHeadModel`), so transformers' generation tests and `test_causal_lm_loss_honors_shift_labels`
+(skipped: no decoder-only head) have nothing of BERT's to run on.
 """
 
 import contextlib
+import functools
 import os
+import re
 import unittest
 from unittest import mock
 
@@ -88,7 +96,7 @@ DEFAULT = {
 
 @pytest.fixture(autouse=True)
 def slow_unless_default(request):
-    if os.environ.get("NPRF_RUN_SLOW"):
+    if os.environ.get("NPRF_RUN_SLOW") or request.cls is None:  # (a test function of this file's own)
         return
     if request.node.originalname not in DEFAULT.get(request.cls.__name__, ()):
         pytest.skip("one of transformers' common tests outside the default set: set NPRF_RUN_SLOW=1 to run it")
@@ -155,6 +163,37 @@ class _PackedSequences:
             return super().attention_mask_padding_matches_padding_free_with_position_ids(attn_implementation, fa_kwargs)
 
 
+# transformers' tests of flash- and flex-attention kernels (GPU only: here they skip on their requirements, for the
+# plain models too); with a GPU, where they run for the plain models, they skip for the NPRF ones on the classes'
+# `_supports_flash_attn` / `_supports_flex_attn` (False), with this reason added to transformers' words
+SOFTMAX_KERNELS = (
+    "NPRF self-attention is not softmax attention: flash- and flex-attention kernels compute softmax attention and "
+    "cannot run it, so the NPRF classes set _supports_flash_attn = _supports_flex_attn = False"
+)
+_KERNEL_TEST = re.compile(r"^test_.*(flash_attn|flash_attention|flex_attention|_fa[234]_|_on_flash$)")
+
+
+def _explained(method):
+    @functools.wraps(method)
+    def test(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except unittest.SkipTest as skip:
+            if "support" in str(skip):  # transformers' "... does not support flash_attention_2" and the like
+                raise unittest.SkipTest(f"{skip} ({SOFTMAX_KERNELS})") from None
+            raise
+
+    return test
+
+
+def explain_kernel_skips(cls):
+    """`cls` with transformers' kernel tests wrapped: a skip for want of kernel support says why."""
+    for name in dir(cls):
+        if _KERNEL_TEST.match(name) and callable(getattr(cls, name)):
+            setattr(cls, name, _explained(getattr(cls, name)))
+    return cls
+
+
 class _PreTrainingLabels:
     """transformers' `_prepare_for_class` of BertModelTest / ElectraModelTest: labels for the pre-training head."""
 
@@ -181,6 +220,7 @@ def _classes(model_type, first="Model"):
     return tuple(sorted(classes, key=lambda cls: not cls.__name__.endswith(first)))
 
 
+@explain_kernel_skips
 class NPRFRobertaModelTest(_DecoderGenerate, _PackedSequences, _NPRFCacheFormat, ModelTesterMixin,
                            GenerationTesterMixin, unittest.TestCase):
     all_model_classes = _classes("roberta", first="ForCausalLM")
@@ -190,6 +230,7 @@ class NPRFRobertaModelTest(_DecoderGenerate, _PackedSequences, _NPRFCacheFormat,
         self.model_tester = nprf_tester(RobertaModelTester, nprf_hf.NPRFRobertaConfig)(self)
 
 
+@explain_kernel_skips
 class NPRFXLMRobertaModelTest(_DecoderGenerate, _PackedSequences, _NPRFCacheFormat, ModelTesterMixin,
                               GenerationTesterMixin, unittest.TestCase):
     """transformers has no common-test class for XLM-RoBERTa (its classes are RoBERTa's): RoBERTa's tester."""
@@ -201,6 +242,7 @@ class NPRFXLMRobertaModelTest(_DecoderGenerate, _PackedSequences, _NPRFCacheForm
         self.model_tester = nprf_tester(RobertaModelTester, nprf_hf.NPRFXLMRobertaConfig)(self)
 
 
+@explain_kernel_skips
 class NPRFBertModelTest(_PreTrainingLabels, ModelTesterMixin, unittest.TestCase):
     """BERT's NPRF classes have no generative head (transformers' BertLMHeadModel has no NPRF counterpart), so,
     as transformers asks of a model that cannot generate, no GenerationTesterMixin."""
@@ -213,6 +255,7 @@ class NPRFBertModelTest(_PreTrainingLabels, ModelTesterMixin, unittest.TestCase)
         self.model_tester = nprf_tester(BertModelTester, nprf_hf.NPRFBertConfig)(self)
 
 
+@explain_kernel_skips
 class NPRFElectraModelTest(_DecoderGenerate, _PackedSequences, _NPRFCacheFormat, _PreTrainingLabels, ModelTesterMixin,
                            GenerationTesterMixin, unittest.TestCase):
     all_model_classes = _classes("electra")
@@ -221,6 +264,7 @@ class NPRFElectraModelTest(_DecoderGenerate, _PackedSequences, _NPRFCacheFormat,
         self.model_tester = nprf_tester(ElectraModelTester, nprf_hf.NPRFElectraConfig)(self)
 
 
+@explain_kernel_skips
 class NPRFDistilBertModelTest(ModelTesterMixin, unittest.TestCase):
     all_model_classes = _classes("distilbert")
     test_resize_embeddings = True
@@ -228,3 +272,16 @@ class NPRFDistilBertModelTest(ModelTesterMixin, unittest.TestCase):
 
     def setUp(self):
         self.model_tester = nprf_tester(DistilBertModelTester, nprf_hf.NPRFDistilBertConfig)(self)
+
+
+def test_kernel_skips_say_why():
+    """On a GPU with flash-attn, transformers skips its kernel tests for the NPRF classes ("... does not support
+    flash_attention_2"): the reason then says why (here, without one, they skip on their requirements)."""
+    def unsupported(self):
+        raise unittest.SkipTest("NPRFRobertaForCausalLM does not support flash_attention_2")
+
+    with pytest.raises(unittest.SkipTest, match="does not support flash_attention_2 .NPRF self-attention is not soft"):
+        _explained(unsupported)(None)
+    names = [name for name in dir(NPRFRobertaModelTest) if _KERNEL_TEST.match(name)]
+    assert "test_flex_attention_with_grads" in names and "test_flash_attn_2_inference_equivalence" in names
+    assert all(hasattr(getattr(NPRFRobertaModelTest, name), "__wrapped__") for name in names)
