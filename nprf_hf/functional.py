@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .nprf_banded import banded_toeplitz_attention
 from .nprf_banded_recompute import banded_attention_recomputed
+from .nprf_cpu_threads import single_threaded
 from .nprf_dense import dense_toeplitz_attention, dense_toeplitz_inference, dense_toeplitz_training, exact_kernel
 from .nprf_dense import key_lengths
 from .nprf_features import (  # noqa: F401  (draw_projection, positive_random_features, normalize_attention)
@@ -163,17 +164,18 @@ def _attention(query, key, value, rpe_bias, projection, key_padding_mask, algori
         dtype = compute_dtype(value.dtype)
         return (weights.to(dtype) @ value.to(dtype)).to(value.dtype)
     dtype = compute_dtype(query.dtype)
-    rpe_bias = rpe_bias.to(dtype)
-    bias = masked_bias(rpe_bias, n, causal)
+    with single_threaded(query.device):  # [H, 2n - 1] biases: operators too small to split (each split a barrier)
+        rpe_bias = rpe_bias.to(dtype)
+        bias = masked_bias(rpe_bias, n, causal)
+        needs_grad = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (query, key, value, bias, projection, *terms.tensors())
+        )
+        requested, given_band_width = algorithm, band_width
+        algorithm = kernel_or_auto(algorithm, query, projection, variant, terms)
+        algorithm, band_width = _resolve_algorithm(
+            algorithm, bias, n, band_width, projection.shape[-2], value.shape[-1] + 1, inference=not needs_grad
+        )
     inputs = (query, key, value, bias, projection, key_padding_mask, terms)
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (query, key, value, bias, projection, *terms.tensors())
-    )
-    requested, given_band_width = algorithm, band_width
-    algorithm = kernel_or_auto(algorithm, query, projection, variant, terms)
-    algorithm, band_width = _resolve_algorithm(
-        algorithm, bias, n, band_width, projection.shape[-2], value.shape[-1] + 1, inference=not needs_grad
-    )
     if algorithm == "triton":
         try:
             return triton_attention(query, key, value, rpe_bias, projection, key_padding_mask, terms.logit_scale,
@@ -207,9 +209,11 @@ def _nprf_attention(query, key, value, bias, projection, key_padding_mask, terms
     the future when causal."""
     batch, heads, n, _ = query.shape
     dtype = compute_dtype(query.dtype)
-    mask = None if key_padding_mask is None else key_padding_mask.to(device=query.device, dtype=dtype)
+    with single_threaded(query.device):  # [B, n] masks and [H, 2n - 1] coefficients: too small to split
+        mask = None if key_padding_mask is None else key_padding_mask.to(device=query.device, dtype=dtype)
+        c, shift = toeplitz_coefficients(bias)
+        valid = rows_with_keys(mask, causal)
     value = value.to(dtype)
-    c, shift = toeplitz_coefficients(bias)
     logit_scale = terms.logit_scale
     # Without autograd the dense product runs head by head in cache and skips the keys after the last kept one
     # (a host sync, hence eager only). Only the product's own inputs count here, not the wrapper's `needs_grad`:
@@ -242,7 +246,6 @@ def _nprf_attention(query, key, value, bias, projection, key_padding_mask, terms
     out = terms.product(
         toeplitz_product, phi_q, phi_k, lambda: values_and_ones(value) if u is None else u, shift, algorithm, dtype
     )
-    valid = rows_with_keys(mask, causal)
     in_place = not (torch.is_grad_enabled() and out.requires_grad)  # inference: no new [B, H, n, d_v] tensor
     return normalize_attention(out[..., :-1], out[..., -1:], valid, in_place).to(query.dtype)
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .nprf_banded_far import FarStates, far_states_compiled, far_sums, far_sums_backward
-from .nprf_cpu_threads import parallel_items, parallel_slots
+from .nprf_cpu_threads import parallel_items, parallel_slots, single_threaded
 from .nprf_dense import dense_toeplitz_attention
 from .nprf_features import values_and_ones
 from .nprf_positions import diagonals
@@ -59,7 +59,8 @@ def banded_toeplitz_attention(phi_q, phi_k, value, c, band_width, causal):
         start = n - (reach + 1) * chunk + edge
         coefficients = diagonals(extended[:, start : start + chunk + window - 1], chunk, window)
     else:
-        coefficients = c[:, _coefficient_index(n, chunk, reach, window, c.device)]
+        with single_threaded(c.device):  # [H, s, window]: too small to split
+            coefficients = c[:, _coefficient_index(n, chunk, reach, window, c.device)]
     out = band_window_product(q_chunks, k_rows, u_rows, coefficients)
 
     # Far part: chunk k gets c_far^- times the states of chunks <= k-R-1 (and c_far^+ times those >= k+R+1).
@@ -89,8 +90,9 @@ def _zero_padded(x, before, after):
     zero-fills the whole output and then copies x in: at 8,192 tokens that fill was 3% of a MiniLM forward)."""
     batch, heads, n, m = x.shape
     out = x.new_empty(batch, heads, before + n + after, m)
-    out[:, :, :before] = 0.0
-    out[:, :, before + n :] = 0.0
+    with single_threaded(x.device):  # R chunks each side: too small to split
+        out[:, :, :before] = 0.0
+        out[:, :, before + n :] = 0.0
     out[:, :, before : before + n] = x
     return out
 

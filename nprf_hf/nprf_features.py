@@ -11,6 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .nprf_cpu_threads import single_threaded
 from .options import FEATURE_MAPS
 
 
@@ -160,10 +161,11 @@ def values_and_ones(value, before=0, after=0):
     the n rows of `value` [B, H, n, d_v], with zero rows before and after; every element written once."""
     batch, heads, n, d = value.shape
     u = value.new_empty(batch, heads, before + n + after, d + 1)
-    u[:, :, :before] = 0.0
-    u[:, :, before + n :] = 0.0
+    with single_threaded(value.device):  # the padding rows and the ones column: too small to split
+        u[:, :, :before] = 0.0
+        u[:, :, before + n :] = 0.0
+        u[:, :, before : before + n, d] = 1.0
     u[:, :, before : before + n, :d] = value
-    u[:, :, before : before + n, d] = 1.0
     return u
 
 

@@ -10,6 +10,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .nprf_cpu_threads import single_threaded
+
 
 def t5_relative_position_bucket(relative_position, bidirectional=True, num_buckets=32, max_distance=128):
     """T5's bucketing of relative positions (key index - query index), bit-identical to HF T5.
@@ -82,7 +84,8 @@ def relative_position_bias(table, seq_len, bidirectional=True, num_buckets=32, m
         # can generate the gather's scatter-add backward with wrong indices, writing out of bounds (see `diagonals`).
         buckets = _distance_buckets(seq_len, bidirectional, num_buckets, max_distance, table.device)
         return table @ F.one_hot(buckets, num_buckets).to(table.dtype).t()
-    return _BucketGather.apply(table, seq_len, bidirectional, max_distance)
+    with single_threaded(table.device):  # [H, 2n - 1]: operators too small to split (each split a barrier)
+        return _BucketGather.apply(table, seq_len, bidirectional, max_distance)
 
 
 def _distance_buckets(seq_len, bidirectional, num_buckets, max_distance, device):
