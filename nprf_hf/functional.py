@@ -1,6 +1,7 @@
 # coding=utf-8
 """NPRF attention with relative positional encoding: the public functions and their input checks; what runs a
-call (algorithm, band width, PyTorch or the Triton kernels) is decided in `nprf_dispatch`.
+call (algorithm, band width, execution mode, PyTorch or the Triton kernels) is decided in `nprf_dispatch`, whose
+table PRODUCTS holds every product (one `ToeplitzCall` each) and the whole-attention kernels.
 
 Luo et al., "Stable, Fast and Accurate: Kernelized Attention with Relative Positional Encoding"
 (NeurIPS 2021). Per head, with n tokens, head size d and m random features:
@@ -23,13 +24,12 @@ Nothing here holds state: every function takes tensors and returns tensors.
 from typing import Optional
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
-from .nprf_banded import banded_toeplitz_attention
-from .nprf_banded_recompute import banded_attention_recomputed
 from .nprf_cpu_threads import single_threaded
-from .nprf_dense import dense_toeplitz_attention, dense_toeplitz_inference, dense_toeplitz_training, exact_kernel
-from .nprf_dense import key_lengths
+from .nprf_dense import exact_kernel, key_lengths
+from .nprf_dispatch import RECOMPUTE_MIN_BYTES  # noqa: F401  (public here: the rule is `nprf_dispatch.choose_route`)
+from .nprf_dispatch import AttentionCall, ToeplitzCall, choose_route, run_attention, toeplitz_product
+from .nprf_dispatch import resolve_algorithm as _resolve_algorithm  # noqa: F401  (tests and benchmarks read it here)
 from .nprf_features import (  # noqa: F401  (draw_projection, positive_random_features, normalize_attention)
     compute_dtype,
     draw_projection,
@@ -40,7 +40,6 @@ from .nprf_features import (  # noqa: F401  (draw_projection, positive_random_fe
     values_and_ones,
     variant_features,
 )
-from .nprf_fft import fft_toeplitz_attention
 from .nprf_positions import (  # noqa: F401  (the bias helpers: public here)
     far_bucket_table,
     infer_band_width,
@@ -52,18 +51,8 @@ from .nprf_positions import (  # noqa: F401  (the bias helpers: public here)
     toeplitz_matrix,
 )
 from .nprf_terms import AttentionTerms
-from .nprf_dispatch import kernel_or_auto
-from .nprf_dispatch import resolve_algorithm as _resolve_algorithm  # noqa: F401  (tests and benchmarks read it here)
-from .nprf_triton import disable_triton, triton_attention
 from .options import ALGORITHMS  # noqa: F401  (the PyTorch algorithms: read here by tests and benchmarks)
 from .options import ATTENTION_ALGORITHMS, ATTENTION_VARIANTS, QUADRATIC_VARIANTS
-
-
-# `recompute=None` recomputes the banded / fft attention in backward from this size of one call's [B, H, n, m]
-# features on (16 MiB: B x n = 5,461 tokens at H = 12, m = 64): the about ten feature-sized tensors a layer
-# would keep matter there, while for short batches the second forward costs time for little memory (a MiniLM
-# training step at 8 x 512 took 1.46x SDPA's with it, 1.33x without).
-RECOMPUTE_MIN_BYTES = 16 << 20
 
 
 def nprf_attention(
@@ -166,85 +155,41 @@ def _attention(query, key, value, rpe_bias, projection, key_padding_mask, algori
     dtype = compute_dtype(query.dtype)
     with single_threaded(query.device):  # [H, 2n - 1] biases: operators too small to split (each split a barrier)
         rpe_bias = rpe_bias.to(dtype)
-        bias = masked_bias(rpe_bias, n, causal)
-        needs_grad = torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (query, key, value, bias, projection, *terms.tensors())
-        )
-        requested, given_band_width = algorithm, band_width
-        algorithm = kernel_or_auto(algorithm, query, projection, variant, terms)
-        algorithm, band_width = _resolve_algorithm(
-            algorithm, bias, n, band_width, projection.shape[-2], value.shape[-1] + 1, inference=not needs_grad
-        )
-    inputs = (query, key, value, bias, projection, key_padding_mask, terms)
-    if algorithm == "triton":
-        try:
-            return triton_attention(query, key, value, rpe_bias, projection, key_padding_mask, terms.logit_scale,
-                                    band_width, causal)
-        except Exception as error:  # noqa: BLE001
-            if requested == "triton" or isinstance(error, torch.OutOfMemoryError):  # (PyTorch's path needs more)
-                raise
-            # "auto" chose kernels that failed to build or launch on this device: the model still runs, said once
-            disable_triton(f"the kernels failed here ({type(error).__name__}: {error})")
-            algorithm, band_width = _resolve_algorithm(
-                "auto", bias, n, given_band_width, projection.shape[-2], value.shape[-1] + 1, inference=not needs_grad
-            )
-    if recompute is None:
-        feature_bytes = batch * heads * n * projection.shape[-2] * torch.finfo(dtype).bits // 8
-        recompute = algorithm in ("banded", "fft") and feature_bytes >= RECOMPUTE_MIN_BYTES
-    # (not under torch.compile, whose partitioner decides itself what backward recomputes)
-    if not (recompute and needs_grad and not torch.compiler.is_compiling()):
-        return _nprf_attention(*inputs, algorithm, band_width, causal, variant)
-    if algorithm == "banded" and not terms.product_value_read():  # features rebuilt, the product's forward not rerun
-        # the unmasked bias (the Function masks it itself): a causally masked copy would keep its mask per layer
-        return banded_attention_recomputed(query, key, value, rpe_bias, projection, key_padding_mask, terms,
-                                           band_width, causal, variant)
-    # No random numbers inside: the recomputation repeats the forward exactly without saving RNG state.
-    return checkpoint(
-        _nprf_attention, *inputs, algorithm, band_width, causal, variant, use_reentrant=False, preserve_rng_state=False,
-    )
+        call = AttentionCall(query, key, value, rpe_bias, masked_bias(rpe_bias, n, causal), projection,
+                             key_padding_mask, terms, causal, variant, band_width, recompute)
+        route = choose_route(call, algorithm)
+    return run_attention(call, route, _nprf_attention)
 
 
-def _nprf_attention(query, key, value, bias, projection, key_padding_mask, terms, algorithm, band_width, causal, variant):
-    """`nprf_attention` once its inputs are checked and the algorithm chosen; `bias` [H, 2n - 1] has -inf for
-    the future when causal."""
+def _nprf_attention(call, route):
+    """`nprf_attention` once its inputs are checked and its route chosen (`nprf_dispatch`): the features, the route's
+    Toeplitz product with the terms, the division; `call.bias` [H, 2n - 1] has -inf for the future when causal."""
+    query, key, terms, causal = call.query, call.key, call.terms, call.causal
     batch, heads, n, _ = query.shape
     dtype = compute_dtype(query.dtype)
     with single_threaded(query.device):  # [B, n] masks and [H, 2n - 1] coefficients: too small to split
-        mask = None if key_padding_mask is None else key_padding_mask.to(device=query.device, dtype=dtype)
-        c, shift = toeplitz_coefficients(bias)
+        mask = None if call.key_padding_mask is None else call.key_padding_mask.to(device=query.device, dtype=dtype)
+        c, shift = toeplitz_coefficients(call.bias)
         valid = rows_with_keys(mask, causal)
-    value = value.to(dtype)
+    value = call.value.to(dtype)
     logit_scale = terms.logit_scale
-    # Without autograd the dense product runs head by head in cache and skips the keys after the last kept one
-    # (a host sync, hence eager only). Only the product's own inputs count here, not the wrapper's `needs_grad`:
-    # a training segment bias or match weight multiplies the product's output and needs no graph inside it.
+    # Without autograd through the product's own inputs (the features read the mask too), its "inference" row. Only
+    # those count here, not the route's: a training segment bias or match weight multiplies the product's output
+    # and needs no graph inside it.
     inference = not torch.is_grad_enabled() or not any(
         t is not None and t.requires_grad
-        for t in (query, key, value, c, projection, logit_scale, *terms.tensors(inside_product=True))
+        for t in (query, key, value, c, call.projection, mask, logit_scale, *terms.tensors(inside_product=True))
     )
-    # Eager dense runs in cache (a few heads at a time; training rebuilds the n x n weights in backward instead of
-    # keeping them) and skips the keys after each sequence's last kept one: `lengths`, a host sync.
-    lengths = None
-    if algorithm == "dense" and not torch.compiler.is_compiling():
-        lengths = key_lengths(mask, batch, n)
-    in_cache = None if lengths is None else dense_toeplitz_inference if inference else dense_toeplitz_training
-    head_major = in_cache is dense_toeplitz_inference
-    phi_q, phi_k = query_key_features(query, key, projection, mask, dtype, logit_scale, head_major, variant)
-    if in_cache is not None and not terms.pair_terms:  # the product alone: it divides in cache too
-        return in_cache(phi_q, phi_k, value, c, lengths, normalized=True).to(query.dtype)
-    u = None if algorithm == "banded" or in_cache is not None else values_and_ones(value)
-
-    def toeplitz_product(keys):
-        if in_cache is not None:
-            return in_cache(phi_q, keys, value, c, lengths)
-        if algorithm == "dense":
-            return dense_toeplitz_attention(phi_q, keys, u, c)
-        if algorithm == "fft":
-            return fft_toeplitz_attention(phi_q, keys, u, c)
-        return banded_toeplitz_attention(phi_q, keys, value, c, band_width, causal)
-
+    product = toeplitz_product(route, inference)
+    lengths = key_lengths(mask, batch, n) if product.in_cache else None  # (a host sync)
+    phi_q, phi_k = query_key_features(query, key, call.projection, mask, dtype, logit_scale, product.head_major,
+                                      call.variant)
+    if product.in_cache and not terms.pair_terms:  # the product alone: it divides in cache too
+        return product.run(ToeplitzCall(phi_q, phi_k, value, c, lengths=lengths, normalized=True)).to(query.dtype)
+    u = values_and_ones(value) if product.reads_u else None
     out = terms.product(
-        toeplitz_product, phi_q, phi_k, lambda: values_and_ones(value) if u is None else u, shift, algorithm, dtype
+        lambda keys: product.run(ToeplitzCall(phi_q, keys, value, c, u, causal, route.band_width, lengths)),
+        phi_q, phi_k, lambda: values_and_ones(value) if u is None else u, shift, route.algorithm, dtype,
     )
     in_place = not (torch.is_grad_enabled() and out.requires_grad)  # inference: no new [B, H, n, d_v] tensor
     return normalize_attention(out[..., :-1], out[..., -1:], valid, in_place).to(query.dtype)

@@ -28,7 +28,7 @@ from .nprf_positions import masked_bias, toeplitz_coefficients
 def banded_attention_recomputed(query, key, value, bias, projection, key_padding_mask, terms, band_width, causal,
                                 variant):
     """z [B, H, n, d_v] of the banded algorithm under autograd, the features rebuilt in backward (arguments as
-    `functional._nprf_attention` but bias [H, 2n - 1] without the -inf of the future, applied here when causal;
+    `nprf_dispatch.AttentionCall`'s, bias [H, 2n - 1] without the -inf of the future, applied here when causal;
     terms an `AttentionTerms` whose trained tensors do not read the product's value, see
     `AttentionTerms.product_value_read`).
 

@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-# (training recomputes a shard's features in backward from the size at which one process's attention does)
-from .functional import RECOMPUTE_MIN_BYTES
 from .nprf_banded import banded_toeplitz_attention
 from .nprf_banded_recompute import _BandedBackward
+# (training recomputes a shard's features in backward from the size at which one process's attention does)
+from .nprf_dispatch import RECOMPUTE_MIN_BYTES
 from .nprf_features import compute_dtype, normalize_attention, query_key_features, values_and_ones, variant_features
 from .nprf_positions import masked_bias
 from .options import ATTENTION_VARIANTS, QUADRATIC_VARIANTS

@@ -2,7 +2,8 @@
 """The paper's algorithm: the Toeplitz product through real FFTs of the m * e channels of phi_k u^T,
 O(n log n) per channel. Without a band (a bias learned per distance) it is the fastest past
 `nprf_dispatch.AUTO_FFT_MIN_LENGTH`. Execution modes side by side: autograd and torch.compile (per head,
-traced), and inference (one reused buffer, `fft_toeplitz_inference`).
+traced), and inference (one reused buffer, `fft_toeplitz_inference`: `nprf_dispatch`'s "inference" row, and what
+`fft_toeplitz_attention` runs itself when nothing it reads requires grad).
 """
 
 import torch
@@ -14,11 +15,7 @@ def fft_toeplitz_attention(phi_q, phi_k, u, c):
     m * e channels of phi_k u^T over the (contiguous) sequence axis, then z_i = phi_q_i^T D_i.
     One head at a time, to bound the memory of the [B, m, e, n] channel tensor."""
     n = phi_q.shape[-2]
-    length = fft_length(2 * n - 1)
-    # Convolution kernel k_t = c_{-t}, placed circularly: t = 0..n-1 first, t = -(n-1)..-1 last.
-    zeros = c.new_zeros(c.shape[0], length - (2 * n - 1))
-    kernel = torch.cat([c[:, :n].flip(-1), zeros, c[:, n:].flip(-1)], dim=-1)
-    kernel_f = torch.fft.rfft(kernel, n=length)  # [H, length // 2 + 1]
+    kernel_f, length = fft_kernel(c, n)
     # The inference path writes into strided `out=` views, which dynamo cannot trace; compiled, the per-head
     # path below is traced instead (inductor plans its buffers itself).
     if not torch.compiler.is_compiling() and (
@@ -32,6 +29,15 @@ def fft_toeplitz_attention(phi_q, phi_k, u, c):
         toeplitz = torch.fft.irfft(spectrum * kernel_f[h], n=length)[..., :n]  # D_i for every i: [B, m, e, n]
         heads.append((toeplitz * phi_q[:, h].transpose(-1, -2).unsqueeze(2)).sum(1).transpose(-1, -2))
     return torch.stack(heads, dim=1)
+
+
+def fft_kernel(c, n):
+    """(kernel_f [H, length // 2 + 1], length): the spectrum of C's convolution kernel over `fft_length(2n - 1)`."""
+    length = fft_length(2 * n - 1)
+    # Convolution kernel k_t = c_{-t}, placed circularly: t = 0..n-1 first, t = -(n-1)..-1 last.
+    zeros = c.new_zeros(c.shape[0], length - (2 * n - 1))
+    kernel = torch.cat([c[:, :n].flip(-1), zeros, c[:, n:].flip(-1)], dim=-1)
+    return torch.fft.rfft(kernel, n=length), length
 
 
 def fft_toeplitz_inference(phi_q, phi_k, u, kernel_f, length):

@@ -7,7 +7,7 @@ import torch
 from transformers.models.t5.modeling_t5 import T5Attention
 
 from nprf_hf import functional as Fn
-from nprf_hf import nprf_banded, nprf_dense, nprf_fft
+from nprf_hf import nprf_banded, nprf_dense, nprf_dispatch, nprf_fft
 from nprf_hf.nprf_naive import naive_attention
 
 
@@ -764,7 +764,7 @@ def test_recompute_auto_is_for_the_long_input_algorithms(threshold, monkeypatch)
     everything."""
     batch, heads, n, d, m = 1, 2, 700, 8, 32
     feature_bytes = batch * heads * n * m * 8
-    monkeypatch.setattr(Fn, "RECOMPUTE_MIN_BYTES", feature_bytes if threshold == "below" else feature_bytes + 1)
+    monkeypatch.setattr(nprf_dispatch, "RECOMPUTE_MIN_BYTES", feature_bytes if threshold == "below" else feature_bytes + 1)
     q, k, v, projection = random_inputs(batch, heads, n, d, m)
     q.requires_grad_(True)
     bias = t5_bias(heads, n)
@@ -775,6 +775,39 @@ def test_recompute_auto_is_for_the_long_input_algorithms(threshold, monkeypatch)
         )
         recomputes = threshold == "below" and algorithm != "dense"
         assert (held < feature_bytes / 4) == recomputes, (algorithm, held)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_every_product_row_takes_one_call_and_computes_the_same(causal, small_chunks):
+    """Every Toeplitz product of `nprf_dispatch.PRODUCTS` runs from the same `ToeplitzCall` and returns the sums of
+    the plain dense formula (float64, padded keys zero, a bias tied beyond the band); the in-cache rows divide them
+    with `normalized`. Every algorithm has an "autograd" row (what a mode without a row of its own runs)."""
+    generator = torch.Generator().manual_seed(5 + causal)
+    batch, heads, n, m, d, width = 2, 3, 40, 6, 5, 5
+    phi_q, phi_k = (torch.rand(batch, heads, n, m, generator=generator, dtype=torch.float64) for _ in range(2))
+    mask = torch.ones(batch, n, dtype=torch.float64)
+    mask[1, n // 2 :] = 0.0
+    phi_k = phi_k * mask[:, None, :, None]
+    value = torch.randn(batch, heads, n, d, generator=generator, dtype=torch.float64)
+    c = torch.rand(heads, 2 * n - 1, generator=generator, dtype=torch.float64)
+    c[:, : n - width] = c[:, :1]  # b_r constant for r <= -W and r >= W
+    c[:, n - 1 + width :] = c[:, -1:]
+    if causal:  # c_r = exp(-inf) for the future
+        c[:, n:] = 0.0
+    u = Fn.values_and_ones(value)
+    lengths = nprf_dense.key_lengths(mask, batch, n)
+    call = nprf_dispatch.ToeplitzCall(phi_q, phi_k, value, c, u, causal, width, lengths)
+    ref = nprf_dense.dense_toeplitz_attention(phi_q, phi_k, u, c)
+    for algorithm in ("dense", "fft", "banded"):
+        assert ("torch", algorithm, "autograd") in nprf_dispatch.PRODUCTS
+    rows = [(key, row) for key, row in nprf_dispatch.PRODUCTS.items() if not row.whole]
+    assert {key[1] for key, _ in rows} == {"dense", "fft", "banded"}
+    for key, row in rows:
+        with torch.no_grad():
+            torch.testing.assert_close(row.run(call), ref, rtol=1e-12, atol=1e-13, msg=str(key))
+            if row.in_cache:
+                divided = Fn.normalize_attention(ref[..., :-1], ref[..., -1:], Fn.rows_with_keys(mask, causal))
+                torch.testing.assert_close(row.run(call._replace(normalized=True)), divided, rtol=1e-12, atol=1e-13)
 
 
 def test_auto_keeps_dense_to_about_1_6_windows():
