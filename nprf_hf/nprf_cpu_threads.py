@@ -25,8 +25,9 @@ import torch
 
 
 def _load_controls():
-    """(set_omp, set_mkl_local): ctypes functions setting the calling thread's OpenMP and MKL thread counts, or
-    None where this torch build does not expose them (then nothing here changes any thread count)."""
+    """(set_omp, get_omp, set_mkl_local): ctypes functions setting / reading the calling thread's OpenMP count and
+    setting its MKL count (None without MKL), or None where this torch build does not expose them (then nothing
+    here changes any thread count)."""
     if "OpenMP" not in torch.__config__.parallel_info():
         return None  # torch's native pool has no per-thread count
     try:
@@ -190,7 +191,7 @@ def parallel_items(count, task, device, static=False):
     whichever thread is free, or with `static` to slot item % threads (for sums per slot that must not depend on
     timing: the same on every run with the same thread count).
     With one thread, one item, a device other than the CPU or no per-thread control, a plain loop on the calling
-    thread."""
+    thread; so is a call made from inside an item (its thread's count is 1)."""
     threads = parallel_slots(count, device)
     if threads == 1:
         for item in range(count):
