@@ -573,3 +573,13 @@ def test_generation_benchmark_times_quiet_and_busy_side_by_side(tmp_path, capsys
     with pytest.raises(SystemExit):
         generation.parse_args(["--busy-cores", "4096"])
     assert "--busy-cores [4096]" in capsys.readouterr().err
+
+
+def test_busy_cores_outside_linux_is_a_clear_error(monkeypatch):
+    """Where a process cannot be pinned to a core (no os.sched_getaffinity: macOS, Windows) --busy-cores is refused
+    in one line, and a run without it is unaffected."""
+    busy_load = load_script("busy_load")
+    monkeypatch.delattr(busy_load.os, "sched_getaffinity", raising=False)
+    with pytest.raises(ValueError, match="needs Linux"):
+        busy_load.check_cores([0])
+    assert busy_load.check_cores([]) == []
