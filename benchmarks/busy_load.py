@@ -32,7 +32,9 @@ SPIN = ("import ctypes, os, signal, sys, time\n"
 
 def check_cores(cores):
     """The named cores, or a ValueError naming the ones this machine does not have."""
-    if cores and not hasattr(os, "sched_getaffinity"):  # the spinners pin themselves to a core: Linux's calls
+    if not cores:
+        return []
+    if not hasattr(os, "sched_getaffinity"):  # the spinners pin themselves to a core: Linux's calls
         raise ValueError("--busy-cores pins one spinning process per core, which needs Linux (os.sched_setaffinity)")
     available = sorted(os.sched_getaffinity(0))
     missing = [core for core in cores if core not in available]
