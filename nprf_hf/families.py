@@ -91,6 +91,8 @@ class Family:
     segments: Optional[str] = "token_type_ids"
     source_aliases: tuple = ()
     dropped_prefixes: tuple = ()
+    # (head, class suffix) where transformers names the family's class of a head otherwise (`BertLMHeadModel`)
+    class_suffixes: tuple = ()
 
     @property
     def nprf_model_type(self):
@@ -102,7 +104,7 @@ class Family:
 
     def class_name(self, head, nprf=True):
         """`NPRFBertForMaskedLM` (nprf) or `BertForMaskedLM` for a head name."""
-        return (self.nprf_prefix if nprf else self.prefix) + HEADS[head].suffix
+        return (self.nprf_prefix if nprf else self.prefix) + dict(self.class_suffixes).get(head, HEADS[head].suffix)
 
     def head_of_architecture(self, architecture):
         """The head a source class (`RobertaForCausalLM`, `BertForPreTraining`) converts to, or None."""
@@ -112,7 +114,7 @@ class Family:
         aliases = dict(self.source_aliases)
         if suffix in aliases:
             return aliases[suffix]
-        return next((h for h in self.heads if HEADS[h].suffix == suffix), None)
+        return next((h for h in self.heads if self.class_name(h, nprf=False) == architecture), None)
 
     def source_architectures(self):
         return [self.class_name(h, nprf=False) for h in self.heads] + [self.prefix + s for s, _ in self.source_aliases]
@@ -124,8 +126,8 @@ FAMILIES = {
     family.model_type: family
     for family in (
         Family(
-            "bert", "Bert", "BERT", ENCODER_HEADS,
-            source_aliases=(("ForPreTraining", "masked-lm"),),
+            "bert", "Bert", "BERT", ENCODER_HEADS + ("causal-lm",),
+            source_aliases=(("ForPreTraining", "masked-lm"),), class_suffixes=(("causal-lm", "LMHeadModel"),),
             dropped_prefixes=("cls.seq_relationship.", "bert.pooler."),
         ),
         Family("roberta", "Roberta", "RoBERTa", ENCODER_HEADS + ("causal-lm",), position_offset="padding_idx", segments="separators"),

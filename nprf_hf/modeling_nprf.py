@@ -1106,6 +1106,15 @@ class NPRFBertForMultipleChoice(NPRFBertPreTrainedModel, transformers.BertForMul
         self.post_init()  # again: gathers the NPRF base model's settings
 
 
+class NPRFBertLMHeadModel(NPRFGenerationMixin, NPRFBertPreTrainedModel, transformers.BertLMHeadModel, GenerationMixin):
+    """BertLMHeadModel on [`NPRFBertModel`]. Forward: as [`BertLMHeadModel`]."""
+
+    def __init__(self, config):
+        super().__init__(config)  # transformers' __init__: the head, its BertModel (self.bert)
+        NPRFBertModel.adopt(self.bert)  # made NPRF in place
+        self.post_init()  # again: gathers the NPRF base model's settings
+
+
 # RoBERTa
 class NPRFRobertaPreTrainedModel(NPRFPreTrainedMixin, transformers.RobertaPreTrainedModel):
     """[`RobertaPreTrainedModel`] of the NPRF models: config, masks, weight initialization."""
@@ -1520,6 +1529,7 @@ NPRF_MODEL_CLASSES = {
         "token-classification": NPRFBertForTokenClassification,
         "question-answering": NPRFBertForQuestionAnswering,
         "multiple-choice": NPRFBertForMultipleChoice,
+        "causal-lm": NPRFBertLMHeadModel,
     },
     "roberta": {
         None: NPRFRobertaPreTrainedModel,

@@ -18,6 +18,7 @@ from transformers import (
     BertConfig,
     BertForPreTraining,
     BertForSequenceClassification,
+    BertForNextSentencePrediction,
     BertLMHeadModel,
     GPT2Config,
     RobertaConfig,
@@ -363,8 +364,8 @@ def test_bad_arguments_refused(tmp_path):
         convert_to_nprf(model, max_position_embeddings=32)
     with pytest.raises(ValueError, match="head='decoder'"):
         convert_to_nprf(model, head="decoder")
-    with pytest.raises(ValueError, match="causal-lm"):
-        convert_to_nprf(model, head="causal-lm")
+    with pytest.raises(ValueError, match="pretraining"):  # ELECTRA's discriminator: not a BERT head
+        convert_to_nprf(model, head="pretraining")
 
 
 def test_pretraining_checkpoint_keeps_mlm_head_drops_nsp():
@@ -375,8 +376,20 @@ def test_pretraining_checkpoint_keeps_mlm_head_drops_nsp():
     assert sorted(report.dropped) == [
         "bert.pooler.dense.bias", "bert.pooler.dense.weight", "cls.seq_relationship.bias", "cls.seq_relationship.weight"]
     assert torch.equal(model.cls.predictions.transform.dense.weight, source.cls.predictions.transform.dense.weight)
-    with pytest.raises(ValueError, match="Unsupported architecture 'BertLMHeadModel'.*BertForMaskedLM"):
-        convert_to_nprf(BertLMHeadModel(_tiny_bert_config(is_decoder=True)))
+    with pytest.raises(ValueError, match="Unsupported architecture 'BertForNextSentencePrediction'.*BertForMaskedLM"):
+        convert_to_nprf(BertForNextSentencePrediction(_tiny_bert_config()))
+
+
+def test_bert_decoder_converts_to_its_lm_head_model():
+    """transformers names BERT's decoder class BertLMHeadModel (not ...ForCausalLM): it converts to
+    NPRFBertLMHeadModel with every weight, the same head."""
+    torch.manual_seed(0)
+    source = BertLMHeadModel(_tiny_bert_config(is_decoder=True)).eval()
+    model, report = convert_to_nprf(source, return_report=True)
+    assert type(model).__name__ == "NPRFBertLMHeadModel" and model.config.is_decoder
+    assert not report.dropped
+    assert torch.equal(model.cls.predictions.decoder.weight, source.cls.predictions.decoder.weight)
+    assert model(input_ids=torch.tensor([[5, 6, 7]])).logits.shape == (1, 3, source.config.vocab_size)
 
 
 def test_in_memory_bert_head_and_position_embedding_none():

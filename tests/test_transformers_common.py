@@ -243,9 +243,8 @@ class NPRFXLMRobertaModelTest(_DecoderGenerate, _PackedSequences, _NPRFCacheForm
 
 
 @explain_kernel_skips
-class NPRFBertModelTest(_PreTrainingLabels, ModelTesterMixin, unittest.TestCase):
-    """BERT's NPRF classes have no generative head (transformers' BertLMHeadModel has no NPRF counterpart), so,
-    as transformers asks of a model that cannot generate, no GenerationTesterMixin."""
+class NPRFBertModelTest(_DecoderGenerate, _PackedSequences, _NPRFCacheFormat, _PreTrainingLabels, ModelTesterMixin,
+                         GenerationTesterMixin, unittest.TestCase):
 
     all_model_classes = _classes("bert")
     model_split_percents = [0.5, 0.8, 0.9]
