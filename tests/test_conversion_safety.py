@@ -242,7 +242,7 @@ def test_argument_mistakes_are_reported_before_torch_loads(bert_source, tmp_path
     probe = textwrap.dedent(f"""
         import sys
         from nprf_hf.cli import main
-        for argv in (["convert", {bert_source!r}, {str(tmp_path / 'x')!r}, "--head", "causal-lm"],
+        for argv in (["convert", {bert_source!r}, {str(tmp_path / 'x')!r}, "--head", "pretraining"],
                      ["convert", {bert_source!r}, {bert_source!r}]):
             assert main(argv) == 2
         print("torch loaded:", "torch" in sys.modules)
@@ -250,7 +250,7 @@ def test_argument_mistakes_are_reported_before_torch_loads(bert_source, tmp_path
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "torch loaded: False" in result.stdout
-    assert "--head causal-lm does not exist for BERT; allowed: model, masked-lm" in result.stderr
+    assert "--head pretraining does not exist for BERT; allowed: model, masked-lm" in result.stderr
     assert "is the source" in result.stderr
     version = subprocess.run([CLI, "--version"], capture_output=True, text=True, timeout=60)
     assert version.returncode == 0 and version.stdout.strip() == f"nprf-hf {nprf_hf.__version__}"
