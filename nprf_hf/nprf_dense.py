@@ -1,6 +1,6 @@
 # coding=utf-8
 """The dense algorithm: the n x n weights kappa(q_i, k_j) c_{j-i}, then one matmul. O(n^2 (m + e)); the fastest
-below about 1.6-1.7 banded windows (`nprf_dispatch.AUTO_DENSE_FACTOR*`) and the only one for the quadratic variants,
+below about 1.6-1.7 banded windows (`nprf_dispatch.CROSSOVERS`) and the only one for the quadratic variants,
 whose exact kernels (`exact_kernel`) do not factor into features.
 
 Products take phi_q, phi_k [B, H, n, m] (padded keys zeroed), u [B, H, n, e] and c [H, 2n - 1] and return

@@ -20,20 +20,30 @@ from .nprf_positions import infer_band_width
 from .nprf_triton import disable_triton, log_fallback_once, triton_attention, triton_cannot_run, triton_unfused
 
 
-# The PyTorch algorithms' `auto` crossovers, measured on the 2-core CPU. Under autograd the eager dense product runs
-# in cache and rebuilds its weights in backward (`dense_toeplitz_training`): forward + backward on padded batches
+class Crossovers(NamedTuple):
+    """Where `auto` switches between one backend's algorithms (`measured_on` says where they were timed).
+    dense_factor*: dense while n <= factor x the banded window (eager autograd, compiled, inference);
+    fft_min_length: without a band, fft from this length on."""
+
+    dense_factor: float
+    dense_factor_compiled: float
+    dense_factor_inference: float
+    fft_min_length: int
+    measured_on: str
+
+
+# The PyTorch algorithms' crossovers, measured on the 2-core CPU. Under autograd the eager dense product runs in
+# cache and rebuilds its weights in backward (`dense_toeplitz_training`): forward + backward on padded batches
 # (B=8, H=12, m=64, T5's default buckets: a window of 314 / 334 at d = 32 / 64, one thread) it takes 0.62x / 0.68x of
 # banded's time at 384 tokens, 0.94x / 0.90x at 512, 1.19x / 1.07x at 768: they cross at about 1.7 windows
-# (with the weights kept by autograd they crossed at one window). Without a band (a bias learned per distance),
-# fft only beats dense from about 8192 tokens (dense at 2048: 0.46 s vs fft 1.95 s forward, one
-# thread), where dense's n x n weights also stop fitting in memory.
-AUTO_DENSE_FACTOR = 1.7
-AUTO_DENSE_FACTOR_COMPILED = 1.0  # torch.compile traces the plain autograd product, which keeps its weights
-# Without autograd the dense product runs in cache and skips padded keys (`dense_toeplitz_inference`): on padded
-# batches (B=8, H=12, m=64, T5's default buckets: a window of 334) it takes 0.93x (d=32) / 0.89x (d=64) of banded's
-# time at 512 tokens, 1.8x / 1.6x at 768: they cross at about 540 tokens, 1.6 windows.
-AUTO_DENSE_FACTOR_INFERENCE = 1.6
-AUTO_FFT_MIN_LENGTH = 8192
+# (with the weights kept by autograd they crossed at one window). Compiled: 1.0 (torch.compile traces the plain
+# autograd product, which keeps its weights). Without autograd the dense product runs in cache and skips padded keys
+# (`dense_toeplitz_inference`): on padded batches (B=8, H=12, m=64, a window of 334) it takes 0.93x (d=32) / 0.89x
+# (d=64) of banded's time at 512 tokens, 1.8x / 1.6x at 768: they cross at about 540 tokens, 1.6 windows. Without a
+# band (a bias learned per distance), fft only beats dense from about 8192 tokens (dense at 2048: 0.46 s vs fft
+# 1.95 s forward, one thread), where dense's n x n weights also stop fitting in memory. The Triton kernels (below)
+# have no crossover: on a CUDA device they run every length they compute.
+CROSSOVERS = {"torch": Crossovers(1.7, 1.0, 1.6, 8192, "2-core CPU, torch 2.13 (no GPU timing of these rows)")}
 # On a CUDA device: the fused kernels (`nprf_triton`) for every length they compute. Not timed against the PyTorch
 # algorithms on one device: the kernels' H200 times are 6-90x below the PyTorch path's H100 times of the day
 # before (RESULTS, "On a GPU"), at every length both measured.
@@ -82,13 +92,14 @@ def resolve_algorithm(algorithm, bias, n, band_width, m, e, inference=False):
             band_width = n  # without the tied structure: auto may not use banded, and triton's band is every pair
     if algorithm != "auto":
         return algorithm, band_width
+    crossovers = CROSSOVERS["torch"]  # "auto" reaches here only for the PyTorch algorithms
     reach, chunk = banded_chunking(band_width)
     has_band = (2 * reach + 1) * chunk < n
     if has_band:
-        factor = AUTO_DENSE_FACTOR_COMPILED if torch.compiler.is_compiling() else AUTO_DENSE_FACTOR
-        factor = AUTO_DENSE_FACTOR_INFERENCE if inference else factor
+        factor = crossovers.dense_factor_compiled if torch.compiler.is_compiling() else crossovers.dense_factor
+        factor = crossovers.dense_factor_inference if inference else factor
         return ("dense" if n <= factor * banded_window(band_width, m, e) else "banded"), band_width
-    return ("fft" if n >= AUTO_FFT_MIN_LENGTH else "dense"), band_width
+    return ("fft" if n >= crossovers.fft_min_length else "dense"), band_width
 
 
 # `recompute=None` recomputes the banded / fft attention in backward from this size of one call's [B, H, n, m]

@@ -859,3 +859,24 @@ def test_a_second_copy_of_the_banded_module_registers_its_own_ops():
     coefficients = torch.rand(1, 2, 6, generator=generator)
     torch.testing.assert_close(copy.band_window_product(q, k_rows, u_rows, coefficients),
                                nprf_banded.band_window_product(q, k_rows, u_rows, coefficients), rtol=0, atol=0)
+
+
+def test_auto_reads_its_crossovers_from_the_backend_table(monkeypatch):
+    """`auto`'s switch points are CROSSOVERS' row, nothing else: the same shape flips algorithm with the row."""
+    from nprf_hf import nprf_dispatch
+    from nprf_hf.nprf_banded import banded_window
+
+    band, m, e = Fn.rpe_band_width(), 8, 9
+    window = banded_window(band, m, e)
+    n = int(1.2 * window)
+    bias = Fn.relative_position_bias(torch.zeros(2, 32), n)
+    row = nprf_dispatch.CROSSOVERS["torch"]
+    assert row.measured_on
+    with torch.no_grad():
+        assert Fn._resolve_algorithm("auto", bias, n, band, m, e, inference=True)[0] == "dense"  # 1.2 <= 1.6 windows
+        monkeypatch.setitem(nprf_dispatch.CROSSOVERS, "torch", row._replace(dense_factor_inference=1.0))
+        assert Fn._resolve_algorithm("auto", bias, n, band, m, e, inference=True)[0] == "banded"
+    no_band = torch.randn(2, 2 * 64 - 1)
+    assert Fn._resolve_algorithm("auto", no_band, 64, None, m, e)[0] == "dense"
+    monkeypatch.setitem(nprf_dispatch.CROSSOVERS, "torch", row._replace(fft_min_length=64))
+    assert Fn._resolve_algorithm("auto", no_band, 64, None, m, e)[0] == "fft"
