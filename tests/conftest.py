@@ -85,6 +85,18 @@ def minilm_path():
     return os.path.join(os.path.dirname(minilm.__file__), "model")
 
 
+@pytest.fixture
+def two_threads():
+    """torch on two intra-op threads for the test (the suite's workers run one each), the caller's count back after:
+    for what splits work over threads (inductor's CPU kernels, `nprf_cpu_threads`)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def minilm_tokenizer():
     """MiniLM's tokenizer (BERT's uncased WordPiece), for the tiny BERT checkpoints."""

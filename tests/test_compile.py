@@ -207,15 +207,6 @@ def test_compile_flags_and_generate_keeps_the_nprf_cache():
     assert isinstance(output.past_key_values, NPRFCache) and output.sequences.shape == (1, 6)
 
 
-@pytest.fixture
-def two_threads():
-    """Inductor's CPU kernels with more than one thread: where its scatter-add / unfold backward went wrong."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_inductor_default_config_training_matches_eager(two_threads):
     """The default algorithm (auto: banded here) through inductor, fullgraph, forward + backward (one layer: the
     compile time grows with the graph)."""

@@ -114,10 +114,7 @@ def attention_worker(rank, world_size, port, out_dir):
             "shard": [lo, hi],
             "bytes": [list(received), [sent]],
         }
-    with open(os.path.join(out_dir, f"{rank}.json"), "w") as handle:
-        json.dump(report, handle)
-    dist.barrier()  # no rank tears gloo down while another still talks to it
-    dist.destroy_process_group()
+    finish_worker(report, out_dir, rank)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -158,6 +155,29 @@ def test_bytes_do_not_grow_with_length():
     assert sent / ring_attention_bytes(1, 12, 64, 32768, 2) <= 0.02
 
 
+def shard_errors(got, want, got_grads, want_grads, parameters, lo, hi):
+    """A rank's relative errors against one process: its output shard [lo, hi), and the parameters' gradients summed
+    over the ranks (as DDP / FSDP sum them; None counts as zero)."""
+    import torch.distributed as dist
+
+    def flat(grads):
+        return torch.cat([(torch.zeros_like(p) if g is None else g).flatten() for g, p in zip(grads, parameters)])
+
+    got_flat = flat(got_grads)
+    dist.all_reduce(got_flat)
+    return {"output": relative_error(got, want[:, lo:hi]), "gradients": relative_error(got_flat, flat(want_grads))}
+
+
+def finish_worker(report, out_dir, rank):
+    """The rank's report written for the parent, then the process group torn down."""
+    import torch.distributed as dist
+
+    with open(os.path.join(out_dir, f"{rank}.json"), "w") as handle:
+        json.dump(report, handle)
+    dist.barrier()  # no rank tears gloo down while another still talks to it
+    dist.destroy_process_group()
+
+
 # (name, family config, model class, decoder): each rank passes its shard of input_ids inside `context_parallel`
 MODELS = [
     ("roberta_encoder", "NPRFRobertaConfig", "NPRFRobertaModel", False),
@@ -167,8 +187,6 @@ MODELS = [
 
 
 def model_worker(rank, world_size, port, out_dir):
-    import torch.distributed as dist
-
     import nprf_hf
     from conftest import tiny_nprf_config
 
@@ -195,16 +213,8 @@ def model_worker(rank, world_size, port, out_dir):
         with nprf_hf.context_parallel():
             got = run(input_ids[:, lo:hi], attention_mask[:, lo:hi])
             got_grads = torch.autograd.grad(got, list(model.parameters()), grad_out[:, lo:hi], allow_unused=True)
-        flat = lambda grads: torch.cat([  # noqa: E731
-            (torch.zeros_like(p) if g is None else g).flatten() for g, p in zip(grads, model.parameters())
-        ])
-        got_flat = flat(got_grads)
-        dist.all_reduce(got_flat)  # as DDP / FSDP sum them
-        report[name] = {"output": relative_error(got, want[:, lo:hi]), "gradients": relative_error(got_flat, flat(want_grads))}
-    with open(os.path.join(out_dir, f"{rank}.json"), "w") as handle:
-        json.dump(report, handle)
-    dist.barrier()  # no rank tears gloo down while another still talks to it
-    dist.destroy_process_group()
+        report[name] = shard_errors(got, want, got_grads, want_grads, list(model.parameters()), lo, hi)
+    finish_worker(report, out_dir, rank)
 
 
 def test_models_on_shards_equal_one_process(tmp_path):
@@ -217,8 +227,6 @@ def test_models_on_shards_equal_one_process(tmp_path):
 
 def minilm_worker(rank, world_size, port, out_dir, path):
     """The converted MiniLM (T5's default buckets: a band of 91), as an encoder and made a decoder, on its shard."""
-    import torch.distributed as dist
-
     import nprf_hf
 
     init(rank, world_size, port)
@@ -239,17 +247,8 @@ def minilm_worker(rank, world_size, port, out_dir, path):
             got = model(input_ids=input_ids[:, lo:hi], attention_mask=attention_mask[:, lo:hi], use_cache=False)
         got = got.last_hidden_state
         got_grads = torch.autograd.grad(got, parameters, grad_out[:, lo:hi], allow_unused=True)
-        flat = lambda grads: torch.cat([  # noqa: E731
-            (torch.zeros_like(p) if g is None else g).flatten() for g, p in zip(grads, parameters)
-        ])
-        got_flat = flat(got_grads)
-        dist.all_reduce(got_flat)
-        name = "decoder" if decoder else "encoder"
-        report[name] = {"output": relative_error(got, want[:, lo:hi]), "gradients": relative_error(got_flat, flat(want_grads))}
-    with open(os.path.join(out_dir, f"{rank}.json"), "w") as handle:
-        json.dump(report, handle)
-    dist.barrier()  # no rank tears gloo down while another still talks to it
-    dist.destroy_process_group()
+        report["decoder" if decoder else "encoder"] = shard_errors(got, want, got_grads, want_grads, parameters, lo, hi)
+    finish_worker(report, out_dir, rank)
 
 
 def test_converted_minilm_on_shards_equals_one_process(tmp_path):

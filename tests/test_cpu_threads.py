@@ -8,22 +8,14 @@ import threading
 
 import pytest
 import torch
-from test_banded_backward import BUCKETS, DISTANCE, case, views
+from test_banded_backward import BUCKETS, DISTANCE, case, small_chunks, views  # noqa: F401  (a fixture)
 
 from nprf_hf import functional as Fn
-from nprf_hf import nprf_banded, nprf_cpu_threads
+from nprf_hf import nprf_cpu_threads
 from nprf_hf.nprf_naive import naive_attention
 
 pytestmark = pytest.mark.skipif(not nprf_cpu_threads.available(), reason="this torch build has no per-thread "
                                 "OpenMP / MKL thread count: the banded loops run as plain loops")
-
-
-@pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_every_item_runs_once_on_single_threaded_threads(two_threads):
@@ -90,12 +82,6 @@ def test_a_forked_child_starts_its_own_threads(two_threads):
     result = queue.get(timeout=60)
     child.join(timeout=60)
     assert result == list(range(6)) and child.exitcode == 0
-
-
-@pytest.fixture
-def small_chunks(monkeypatch):
-    monkeypatch.setattr(nprf_banded, "BANDED_MIN_CHUNK", 2)
-    monkeypatch.setattr(nprf_banded, "BANDED_GROUP", 3)
 
 
 @pytest.mark.parametrize("recompute", [False, True])
