@@ -25,6 +25,7 @@ from typing import Optional
 
 import torch
 
+from .nprf_cpu_split import attention_in_items
 from .nprf_cpu_threads import single_threaded
 from .nprf_dense import exact_kernel, key_lengths
 from .nprf_dispatch import RECOMPUTE_MIN_BYTES  # noqa: F401  (public here: the rule is `nprf_dispatch.choose_route`)
@@ -158,6 +159,10 @@ def _attention(query, key, value, rpe_bias, projection, key_padding_mask, algori
         call = AttentionCall(query, key, value, rpe_bias, masked_bias(rpe_bias, n, causal), projection,
                              key_padding_mask, terms, causal, variant, band_width, recompute)
         route = choose_route(call, algorithm)
+    return attention_in_items(call, route, _run)
+
+
+def _run(call, route):
     return run_attention(call, route, _nprf_attention)
 
 

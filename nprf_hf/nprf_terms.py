@@ -38,6 +38,7 @@ class AttentionTerm:
     causal = True  # whether it applies to causal attention
     inside_product = False  # its tensors enter the Toeplitz product itself (not only scale its output)
     tensor_fields = ()  # its attributes that hold tensors a gradient may flow to
+    batch_fields = ()  # its attributes that hold [B, n] ids (one row per sequence)
 
     @classmethod
     def enabled(cls, config):
@@ -106,7 +107,7 @@ class SegmentBias(AttentionTerm):
     into one product per key segment (cost x the number of segments)."""
 
     field, parameter, name = "segment_bias", "cross_segment_bias", "segment_bias"
-    tensor_fields = ("bias",)
+    tensor_fields, batch_fields = ("bias",), ("segment_ids",)
 
     def __init__(self, segment_ids, bias, num_segments=None):
         """segment_ids [B, n] integer; bias [H]; num_segments: None or S when every id is known to lie in
@@ -164,7 +165,7 @@ class TokenMatch(AttentionTerm):
 
     field, parameter, name = "token_match", "token_match_weight", "the word-matching term"
     causal = False
-    tensor_fields = ("weight",)
+    tensor_fields, batch_fields = ("weight",), ("token_ids", "segment_ids")
 
     def __init__(self, token_ids, weight, segment_ids):
         """token_ids, segment_ids [B, n] integer; weight [H] >= 0."""
@@ -325,13 +326,16 @@ class AttentionTerms:
         """The terms' tensors (inside_product: only those that enter the Toeplitz product itself)."""
         return tuple(t for term in self.terms if term.inside_product or not inside_product for t in term.tensors())
 
-    def with_tensors(self, tensors):
-        """A copy whose terms hold `tensors` (in the order of `tensors()`) in place of their own."""
+    def with_tensors(self, tensors, rows=None):
+        """A copy whose terms hold `tensors` (in the order of `tensors()`) in place of their own; with `rows` (a
+        slice of the batch), their ids cut to those sequences."""
         tensors, terms = list(tensors), []
         for term in self.terms:
             term = copy.copy(term)
             for name in term.tensor_fields:
                 setattr(term, name, tensors.pop(0))
+            for name in term.batch_fields if rows is not None else ():
+                setattr(term, name, getattr(term, name)[rows])
             terms.append(term)
         return AttentionTerms(*terms)
 

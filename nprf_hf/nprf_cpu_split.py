@@ -1,0 +1,171 @@
+# coding=utf-8
+"""One attention call on the CPU as items of (sequences, heads), each item computed whole on one thread.
+
+Why (issue 45): PyTorch splits every CPU operator over its threads, so one attention call is a few hundred parallel
+regions (the feature map's and the division's elementwise operators, the products, their autograd backward), and
+each region's barrier waits for a thread the OS may have parked behind another process: on a shared core NPRF lost
+2-3x more time than SDPA, whose fused kernel is a single region. Here a call is cut into items along the batch (or,
+for few sequences, along the heads), and whichever of the threads is free computes an item entirely (features,
+Toeplitz product, terms, division) with single-threaded operators (`nprf_cpu_threads.parallel_items`): one
+region per call, and a descheduled thread simply takes fewer items. Under autograd each item keeps its own graph
+and the backward runs the items' graphs the same way. An item of one sequence's few heads also keeps its [n, m]
+features in the core's cache.
+
+Exact: every item is the same math on its own rows and heads; gradients of tensors shared by items (the bias
+table, a shared projection, the terms' parameters) are summed in the items' order, the same on every run.
+"""
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .nprf_cpu_threads import parallel_items, parallel_slots
+from .nprf_positions import masked_bias
+
+
+# Calls smaller than this many elements of features and values (B x H x n x (m + d_v)) run as one item: below it the
+# Python of a few items costs about what the split saves (a MiniLM layer at 8 x 128 is 1.2M).
+SPLIT_MIN_ELEMENTS = 1 << 20
+# Under autograd, only calls of sequences at least this long are split: at 8 x 512 (H = 12, d = 32, m = 64; 2 threads)
+# a split training call took 1.16-1.21x the unsplit one's time quiet (each item's graph and backward cost more than
+# its share), equal at 4,096 tokens, while busy the split took 0.6-0.7x at both.
+SPLIT_MIN_LENGTH_UNDER_AUTOGRAD = 2048
+# Items per thread: more than one, so that a thread the OS parks takes fewer of them and the others the rest (quiet,
+# each item more costs time: at 8 x 512 inference 2 per thread were as fast as 1, 3 and 4 slower).
+ITEMS_PER_THREAD = 2
+
+
+def attention_in_items(call, route, run):
+    """`run(call, route)` (z [B, H, n, d_v] of an `nprf_dispatch.AttentionCall`), cut into items computed on the CPU
+    threads where that pays (`split_items`), else as it is."""
+    items = split_items(call, route)
+    if items is None:
+        return run(call, route)
+    tensors = _inputs(call)
+    if _needs_grad(call):
+        return _ItemsAttention.apply(call, route, run, items, *tensors)
+    batch, heads, n, _ = call.query.shape
+    out = call.query.new_empty(batch, heads, n, call.value.shape[-1])
+
+    def item(index, slot):
+        rows, cut = items[index]
+        parts = [_cut(t, rows, cut, i) for i, t in enumerate(tensors)]
+        out[rows, cut] = run(_item_call(call, parts, rows), route)
+
+    parallel_items(len(items), item, call.query.device)
+    return out
+
+
+def split_items(call, route):
+    """[(rows, heads)] slices covering the call, or None where it runs as one item: another backend, one thread,
+    a small call, under autograd a short one, a key padding mask that wants a gradient, or saved-tensor hooks on
+    this thread (activation checkpointing or offloading: an item's graph, kept by the autograd Function, would
+    escape them)."""
+    query, value = call.query, call.value
+    batch, heads, n, _ = query.shape
+    if route.backend != "torch" or batch * heads * n * (call.projection.shape[-2] + value.shape[-1]) < SPLIT_MIN_ELEMENTS:
+        return None
+    threads = parallel_slots(batch * heads, query.device)
+    mask = call.key_padding_mask
+    if threads == 1 or (mask is not None and mask.requires_grad):
+        return None
+    if _needs_grad(call) and (
+        n < SPLIT_MIN_LENGTH_UNDER_AUTOGRAD or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    ):
+        return None
+    return items_of(batch, heads, threads * ITEMS_PER_THREAD)
+
+
+def _inputs(call):
+    """The call's tensors a gradient may flow to, in the order `_cut` and `_item_call` read them."""
+    return (call.query, call.key, call.value, call.rpe_bias, call.projection, *call.terms.tensors())
+
+
+def _needs_grad(call):
+    return torch.is_grad_enabled() and any(t.requires_grad for t in _inputs(call))
+
+
+def items_of(batch, heads, count):
+    """About `count` (rows, heads) slices covering [batch, heads]: groups of whole sequences where there are at least
+    `count` sequences, else each sequence's heads in groups."""
+    if batch >= count:
+        return [(rows, slice(None)) for rows in _cuts(batch, count)]
+    return [(slice(row, row + 1), cut) for row in range(batch) for cut in _cuts(heads, -(-count // batch))]
+
+
+def _cuts(size, count):
+    bounds = [round(i * size / min(count, size)) for i in range(min(count, size) + 1)]
+    return [slice(start, stop) for start, stop in zip(bounds, bounds[1:])]
+
+
+def _item_call(call, parts, rows):
+    """The `AttentionCall` of one item: `parts` are the call's tensors (in `attention_in_items`' order) cut by `_cut`
+    to the item's sequences `rows` and its heads."""
+    query, key, value, rpe_bias, projection, *term_tensors = parts
+    return call._replace(
+        query=query, key=key, value=value, rpe_bias=rpe_bias, bias=masked_bias(rpe_bias, query.shape[-2], call.causal),
+        projection=projection, key_padding_mask=None if call.key_padding_mask is None else call.key_padding_mask[rows],
+        terms=call.terms.with_tensors(term_tensors, rows),
+    )
+
+
+def _cut(tensor, rows, cut, index):
+    """The part of input `index` (in `attention_in_items`' order) an item reads: q, k, v [B, H, ...] by rows and
+    heads, the rest [H, ...] by heads, a shared [m, d] projection whole."""
+    if index < 3:
+        return tensor[rows, cut]
+    return tensor if index == 4 and tensor.dim() == 2 else tensor[cut]
+
+
+class _ItemsAttention(torch.autograd.Function):
+    """`attention_in_items` under autograd: each item's graph is recorded on its thread from leaves cut out of the
+    inputs, and the backward runs each item's graph on the threads, then gathers the inputs' gradients."""
+
+    @staticmethod
+    def forward(ctx, call, route, run, items, *tensors):
+        query = tensors[0]
+        batch, heads, n, _ = query.shape
+        out = query.new_empty(batch, heads, n, tensors[2].shape[-1])
+        graphs = [None] * len(items)
+
+        def item(index, slot):
+            rows, cut = items[index]
+            # one leaf per input as this item reads it (per-head tensors cut to its heads)
+            leaves = [_cut(t, rows, cut, i).detach().requires_grad_(t.requires_grad) for i, t in enumerate(tensors)]
+            with torch.enable_grad():
+                z = run(_item_call(call, leaves, rows), route)
+            out[rows, cut] = z.detach()
+            graphs[index] = (z, leaves)
+
+        parallel_items(len(items), item, query.device)
+        ctx.graphs, ctx.items, ctx.inputs = graphs, items, [(t.shape, t.dtype) for t in tensors]
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        graphs, items = ctx.graphs, ctx.items
+        if graphs is None:
+            raise RuntimeError("NPRF attention's items were already back-propagated (their graphs are freed after "
+                               "one backward); for a second backward, run the forward again")
+        ctx.graphs = None
+        wanted = ctx.needs_input_grad[4:]
+        grads = [None] * len(items)
+
+        def item(index, slot):
+            rows, cut = items[index]
+            z, leaves = graphs[index]
+            inputs = [leaf for leaf, want in zip(leaves, wanted) if want]
+            found = iter(torch.autograd.grad(z, inputs, grad_out[rows, cut], allow_unused=True))
+            grads[index] = [next(found) if want else None for want in wanted]
+            graphs[index] = None
+
+        parallel_items(len(items), item, grad_out.device)
+        out = []
+        for i, ((shape, dtype), want) in enumerate(zip(ctx.inputs, wanted)):
+            total = grad_out.new_zeros(shape, dtype=dtype) if want else None
+            for (rows, cut), item_grads in zip(items, grads):  # in the items' order: the same sum on every run
+                if want and item_grads[i] is not None:
+                    _cut(total, rows, cut, i).add_(item_grads[i])
+            out.append(total)
+        return (None, None, None, None, *out)
+

@@ -1,0 +1,185 @@
+"""One attention call cut into items of (sequences, heads) on the CPU threads (`nprf_cpu_split`, issue 45): the items
+cover every sequence and head once, a split call equals the float64 reference and the unsplit call (values and
+gradients of every input, padding, causal, every algorithm and term, both execution modes), the same on every run,
+and what must not be split is not."""
+
+import itertools
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from nprf_hf import functional as Fn
+from nprf_hf import nprf_cpu_split, nprf_cpu_threads
+from nprf_hf.nprf_naive import naive_attention
+from nprf_hf.nprf_terms import AttentionTerms, FirstTokenBias
+
+pytestmark = pytest.mark.skipif(not nprf_cpu_threads.available(), reason="this torch build has no per-thread "
+                                "OpenMP / MKL thread count: calls run whole")
+BAND = 9  # the bias is tied beyond |r| = 8: the banded algorithm has a band and far sums at these lengths
+
+
+@pytest.fixture
+def split_everything(monkeypatch, two_threads):
+    """Every call split, however small, and the number of items of each split call recorded."""
+    monkeypatch.setattr(nprf_cpu_split, "SPLIT_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(nprf_cpu_split, "SPLIT_MIN_LENGTH_UNDER_AUTOGRAD", 0)
+    counts = []
+    run = nprf_cpu_split.parallel_items
+
+    def counted(count, task, device, static=False):
+        counts.append(count)
+        return run(count, task, device, static)
+
+    monkeypatch.setattr(nprf_cpu_split, "parallel_items", counted)
+    return counts
+
+
+def case(batch, heads, n=37, d=8, m=6, per_head_projection=True, seed=0):
+    """float64 leaves q, k, v [B, H, n, d], a bias [H, 2n - 1] tied beyond BAND, a projection, a padding mask (the
+    first sequence's last three keys dropped) and every term's tensors, from a fresh generator."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(batch, heads, n, d, dtype=torch.float64, generator=g).requires_grad_() for _ in range(3))
+    r = torch.arange(-(n - 1), n).abs().clamp(max=BAND - 1)
+    bias = torch.randn(heads, BAND, dtype=torch.float64, generator=g)[:, r].requires_grad_()
+    projection = torch.randn(*((heads,) if per_head_projection else ()), m, d, dtype=torch.float64, generator=g)
+    mask = torch.ones(batch, n, dtype=torch.bool)
+    mask[0, -3:] = False
+    per_head = [torch.rand(heads, dtype=torch.float64, generator=g).add(0.5).requires_grad_() for _ in range(4)]
+    terms = dict(logit_scale=per_head[0], segment_ids=(torch.arange(n) >= n // 3).long().repeat(batch, 1),
+                 segment_bias=per_head[1], token_ids=torch.randint(0, 4, (batch, n), generator=g),
+                 match_weight=per_head[2], first_key_bias=per_head[3])
+    return (q, k, v, bias, projection.requires_grad_(), mask), terms
+
+
+def attend(inputs, terms, names, causal, algorithm, recompute=None):
+    q, k, v, bias, projection, mask = inputs
+    chosen = {name: terms[name] for name in names}
+    first = chosen.pop("first_key_bias", None)
+    extra = AttentionTerms.from_arguments(**chosen)
+    if first is not None:
+        extra = AttentionTerms(*extra.terms, FirstTokenBias(first))
+    return Fn.nprf_attention(q, k, v, bias, projection, key_padding_mask=mask, algorithm=algorithm, causal=causal,
+                             band_width=BAND, terms=extra, recompute=recompute)
+
+
+def values_and_gradients(inputs, terms, names, causal, algorithm, recompute=None):
+    return _with_gradients(attend(inputs, terms, names, causal, algorithm, recompute), inputs, terms, names)
+
+
+def reference_values_and_gradients(inputs, terms, names, causal):
+    q, k, v, bias, projection, mask = inputs
+    keywords = {name: terms[name] for name in names}
+    return _with_gradients(naive_attention(q, k, v, bias, projection, mask, causal, **keywords), inputs, terms, names)
+
+
+def _with_gradients(out, inputs, terms, names):
+    """[z, the gradients of a random weighting of z for every leaf the call read]."""
+    leaves = [t for t in inputs if t.requires_grad] + [terms[name] for name in names if terms[name].requires_grad]
+    weights = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(7))
+    return [out.detach(), *torch.autograd.grad((out * weights).sum(), leaves)]
+
+
+TERM_SETS = {"none": (), "logit_scale": ("logit_scale",),
+             "pair": ("logit_scale", "segment_ids", "segment_bias", "token_ids", "match_weight"),
+             "first_key_bias": ("first_key_bias",)}
+
+
+@pytest.mark.parametrize("batch, heads", [(1, 5), (3, 2), (6, 3)])
+def test_items_cover_every_sequence_and_head_once(batch, heads):
+    for count in (2, 4, 6, 9):
+        cover = torch.zeros(batch, heads, dtype=torch.long)
+        items = nprf_cpu_split.items_of(batch, heads, count)
+        for rows, cut in items:
+            cover[rows, cut] += 1
+        assert bool((cover == 1).all()), (count, items)
+        assert len(items) >= min(count, batch * heads)
+
+
+@pytest.mark.parametrize("algorithm", ["dense", "fft", "banded", "auto"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_split_call_equals_the_reference_and_the_whole_call(split_everything, algorithm, causal):
+    """Every term set, per-head and shared projections, batches split by sequences and by heads: values and the
+    gradients of q, k, v, the bias, the projection and the terms' parameters."""
+    for (batch, heads), terms_name, per_head in itertools.product([(1, 5), (7, 2)], TERM_SETS, [True, False]):
+        names = TERM_SETS[terms_name]
+        if causal and terms_name in ("pair", "first_key_bias"):
+            continue  # encoder terms
+        inputs, terms = case(batch, heads, per_head_projection=per_head, seed=batch + heads)
+        del split_everything[:]
+        split = values_and_gradients(inputs, terms, names, causal, algorithm)
+        assert split_everything and split_everything[0] >= 2, "the call was not split"
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(nprf_cpu_split, "SPLIT_MIN_ELEMENTS", 1 << 62)
+            whole = values_and_gradients(inputs, terms, names, causal, algorithm)
+        for a, b in zip(split, reference_values_and_gradients(inputs, terms, names, causal)):
+            torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
+        for a, b in zip(split, whole):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+def test_gradients_equal_the_reference_through_each_execution_mode(split_everything):
+    """The lean banded mode, fft and dense under activation checkpointing (recompute=True), split: gradients against
+    the float64 reference's, with padding and the pair terms."""
+    names = TERM_SETS["pair"]
+    inputs, terms = case(2, 3, seed=3)
+    expected = reference_values_and_gradients(inputs, terms, names, False)
+    for algorithm in ("banded", "fft", "dense"):
+        del split_everything[:]
+        got = values_and_gradients(inputs, terms, names, False, algorithm, recompute=True)
+        assert split_everything, "the call was not split"
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
+
+def test_a_split_call_is_the_same_on_every_run(split_everything):
+    inputs, terms = case(1, 6, n=64, seed=5)
+    first = values_and_gradients(inputs, terms, ("logit_scale",), False, "banded")
+    for _ in range(3):
+        again = values_and_gradients(inputs, terms, ("logit_scale",), False, "banded")
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+def test_inference_is_split_and_equal(split_everything):
+    inputs, terms = case(3, 4, seed=2)
+    expected = attend(inputs, terms, (), False, "auto").detach()
+    for mode in (torch.no_grad, torch.inference_mode):
+        del split_everything[:]
+        with mode():
+            got = attend(inputs, terms, (), False, "auto")
+        assert split_everything, "the call was not split"
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-13)
+
+
+def test_what_is_not_split(monkeypatch, split_everything):
+    """Short sequences under autograd, calls under saved-tensor hooks (activation checkpointing) and calls below the
+    size run whole; the same short call without autograd is split; one thread splits nothing."""
+    monkeypatch.setattr(nprf_cpu_split, "SPLIT_MIN_LENGTH_UNDER_AUTOGRAD", 64)
+    inputs, terms = case(2, 3, n=37)
+    expected = attend(inputs, terms, (), False, "auto")
+    assert split_everything == []
+    with torch.no_grad():
+        attend(inputs, terms, (), False, "auto")
+    assert split_everything == [4]
+    del split_everything[:]
+    monkeypatch.setattr(nprf_cpu_split, "SPLIT_MIN_LENGTH_UNDER_AUTOGRAD", 0)
+    q, k, v, bias, projection, mask = inputs
+    out = checkpoint(lambda *t: Fn.nprf_attention(*t, key_padding_mask=mask, band_width=BAND), q, k, v, bias,
+                     projection, use_reentrant=False)
+    out.sum().backward()
+    assert split_everything == [], "split under checkpointing's saved-tensor hooks"
+    torch.testing.assert_close(out, expected)
+    monkeypatch.setattr(nprf_cpu_split, "SPLIT_MIN_ELEMENTS", 10 ** 9)
+    with torch.no_grad():
+        attend(inputs, terms, (), False, "auto")
+    torch.set_num_threads(1)
+    monkeypatch.setattr(nprf_cpu_split, "SPLIT_MIN_ELEMENTS", 0)
+    with torch.no_grad():
+        attend(inputs, terms, (), False, "auto")
+    assert split_everything == []
+
+
+def test_a_second_backward_is_a_clear_error(split_everything):
+    inputs, terms = case(2, 3)
+    out = attend(inputs, terms, (), False, "banded")
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="already back-propagated"):
+        out.sum().backward()
