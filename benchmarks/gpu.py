@@ -7,7 +7,10 @@
    kernels on CUDA) against the same model with SDPA softmax: forward and training step (forward, loss, backward)
    at 32 x 128, 8 x 512, 1 x 4,096 and 1 x 16,384, with peak memory;
 3. decoding, time per token at 512 and 8,192 tokens of context, batch 1 and 16: the NPRF decoder's constant-size
-   cache against softmax's growing one.
+   cache against softmax's growing one;
+4. the model of 2, both `torch.compile`d (inductor, mode="reduce-overhead": CUDA graphs, no Python per kernel launch;
+   the kernels are custom ops, traced without a graph break): training step and forward at 32 x 128, 8 x 512 and
+   1 x 4,096, with each compile's time and the graph breaks dynamo counted.
 
 Every NPRF time sits beside the softmax time of the same point, measured in the same process. Writes JSON (the
 device named) and a plot:
@@ -40,13 +43,19 @@ FULL = dict(lengths=(1024, 2048, 4096, 8192, 16384, 32768, 65536), heads=12, hea
             model_points=((32, 128), (8, 512), (1, 4096), (1, 16384)), decode_contexts=(512, 8192),
             decode_batches=(1, 16), layers=12, hidden=768, vocab=50265, repeats=10, decode_steps=32,
             algorithm="auto",  # "auto" is the kernels on CUDA: what a user gets
-            tiles=((32, 4), (64, 8), (128, 8)))  # besides the default (64 rows, 4 warps)
+            tiles=((32, 4), (64, 8), (128, 8)),  # besides the default (64 rows, 4 warps)
+            # the launch-bound points (eager NPRF 1.64-1.79x SDPA's training step there); inductor with CUDA graphs
+            compiled_points=((32, 128), (8, 512), (1, 4096)), compile_backend="inductor",
+            compile_mode="reduce-overhead")
 # the same at fewer points and repeats: for a device loan with only a few minutes left
 QUICK = dict(FULL, lengths=(1024, 4096, 16384, 65536), repeats=5, tiles=((32, 4),), decode_batches=(1, 16),
              decode_steps=16)
 TINY = dict(lengths=(40, 72), heads=2, head_dim=16, features=16, model_points=((2, 24), (1, 40)),
             decode_contexts=(16, 40), decode_batches=(1, 2), layers=1, hidden=32, vocab=99, repeats=2, decode_steps=3,
-            algorithm="triton", tiles=((16, 4), (32, 4)))
+            algorithm="triton", tiles=((16, 4), (32, 4)),
+            # aot_eager: dynamo and AOTAutograd (what decides graph breaks and the backward graph) without inductor's
+            # code generation (minutes of C++ compiles on 2 cores)
+            compiled_points=((2, 24), (1, 40)), compile_backend="aot_eager", compile_mode=None)
 
 
 def synchronize(device):
@@ -198,6 +207,61 @@ def model_part(s, device, dtype, log):
     return rows
 
 
+def compiled_part(s, device, dtype, log):
+    """`model_part` with both models `torch.compile`d (dynamic=False: one graph per shape, as CUDA graphs want), with
+    each compile's time and the graph breaks dynamo counted. A point starts only while the part's time left covers
+    the last point's (its compiles dominate it); a model that fails to compile keeps its error in the row."""
+    from torch._dynamo.utils import counters
+
+    longest = max(n for _, n in s["compiled_points"])
+    models = dict(zip(("nprf", "sdpa"), build_models(s, device, dtype, longest)))
+    compiled = {name: torch.compile(model.train(), backend=s["compile_backend"], mode=s["compile_mode"],
+                                    dynamic=False) for name, model in models.items()}
+    rows, last = [], 0.0
+    for batch, n in s["compiled_points"]:
+        if past_budget(log, f"compiled model {batch}x{n}", need=last):
+            break
+        started = time.perf_counter()
+        ids = torch.randint(3, s["vocab"], (batch, n), device=device)
+        row = {"batch": batch, "n": n, "backend": s["compile_backend"], "mode": s["compile_mode"]}
+        for name, model in compiled.items():
+            def train_step():
+                torch.compiler.cudagraph_mark_step_begin()  # a new step: CUDA graphs may overwrite the last outputs
+                model(input_ids=ids, labels=ids).loss.backward()
+                models[name].zero_grad(set_to_none=True)
+
+            def forward():
+                torch.compiler.cudagraph_mark_step_begin()
+                with torch.no_grad():
+                    model(input_ids=ids)
+
+            try:
+                for mode, fn in (("train", train_step), ("forward", forward)):
+                    breaks = sum(counters["graph_break"].values())
+                    begin = time.perf_counter()
+                    fn()  # compiles (under CUDA graphs: a warm-up run; the next call, median_time's, records)
+                    synchronize(device)
+                    row[f"{name}_{mode}_compile_s"] = time.perf_counter() - begin
+                    row[f"{name}_{mode}_graph_breaks"] = sum(counters["graph_break"].values()) - breaks
+                    row[f"{name}_{mode}_s"] = median_time(fn, device, s["repeats"])
+            except Exception as error:  # noqa: BLE001  (one device call: keep the other model's numbers)
+                row[f"{name}_error"] = f"{type(error).__name__}: {error}"[:2000]
+                log(f"compiled {name} {batch}x{n} failed: {row[f'{name}_error'][:500]}")
+        for mode in ("forward", "train"):
+            if f"nprf_{mode}_s" in row and f"sdpa_{mode}_s" in row:
+                row[f"nprf_over_sdpa_{mode}"] = row[f"nprf_{mode}_s"] / row[f"sdpa_{mode}_s"]
+        rows.append(row)
+        last = time.perf_counter() - started
+        if "nprf_over_sdpa_train" in row:
+            log(f"compiled model {batch}x{n}: training step NPRF {row['nprf_train_s'] * 1e3:.1f} ms, SDPA "
+                f"{row['sdpa_train_s'] * 1e3:.1f} ms ({row['nprf_over_sdpa_train']:.2f}x of SDPA's time), forward "
+                f"{row.get('nprf_over_sdpa_forward', float('nan')):.2f}x; NPRF graph breaks "
+                f"{row['nprf_train_graph_breaks']}; {last:.0f} s with its compiles")
+    del compiled, models
+    torch._dynamo.reset()
+    return rows
+
+
 def decode_part(s, device, dtype, log):
     from transformers import DynamicCache
 
@@ -234,10 +298,10 @@ def decode_part(s, device, dtype, log):
 _deadline = [float("inf")]  # when the running part must stop starting new points (time.perf_counter)
 
 
-def past_budget(log, point):
-    """Whether the part's time is spent: its remaining points are skipped (and said so), so that the whole run fits
-    one device call whatever the kernels' speed."""
-    if time.perf_counter() < _deadline[0]:
+def past_budget(log, point, need=0.0):
+    """Whether the part's time is spent (or what is left is under `need` seconds): its remaining points are skipped
+    (and said so), so that the whole run fits one device call whatever the kernels' speed."""
+    if time.perf_counter() + need < _deadline[0]:
         return False
     log(f"{point} and the rest of this part skipped: its time budget is spent")
     return True
@@ -315,17 +379,28 @@ def plot(results, path):
     plt.close(fig)
 
 
+PARTS = ("attention", "model", "decode", "compiled")
+# Seconds each part may start new points for, 490 s in all, the rest of a 10-minute call for the points started last
+# and the start-up (the eager parts took 65 s in all on an H200 with --quick; the compiled part's points are mostly
+# its four compiles each, and it starts a point only while the time left covers the last one's).
+BUDGETS_S = (150.0, 100.0, 60.0, 180.0)
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--output", default=DEFAULT_OUTPUT, help="JSON to write (a .png plot beside it)")
     parser.add_argument("--tiny", action="store_true", help="toy sizes on the CPU through Triton's interpreter")
     parser.add_argument("--quick", action="store_true", help="fewer lengths, repeats and tiles (a short device loan)")
     parser.add_argument("--profile", action="store_true", help="also profile the shortest points (a .txt beside the JSON)")
-    parser.add_argument("--parts", nargs="+", default=["attention", "model", "decode"],
-                        choices=["attention", "model", "decode"])
-    parser.add_argument("--budget-s", nargs=3, type=float, default=[210.0, 150.0, 90.0], metavar=("ATTN", "MODEL", "DECODE"),
-                        help="seconds each part may start new points for (the whole run fits one 10-minute device call)")
-    return parser.parse_args(argv)
+    parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS))
+    parser.add_argument("--budget-s", nargs="+", type=float, default=list(BUDGETS_S), metavar="S",
+                        help="seconds each part may start new points for, in the order ATTENTION MODEL DECODE "
+                        f"[COMPILED] (default {' '.join(map(str, BUDGETS_S))}: the whole run fits one 10-minute device call)")
+    args = parser.parse_args(argv)
+    if len(args.budget_s) not in (3, 4):
+        parser.error("--budget-s takes 3 or 4 values (ATTENTION MODEL DECODE [COMPILED])")
+    args.budget_s = [*args.budget_s, *BUDGETS_S[len(args.budget_s):]]
+    return args
 
 
 def main(argv=None):
@@ -352,8 +427,8 @@ def main(argv=None):
     def log(line):
         print(f"[{time.perf_counter() - started:6.1f} s] {line}", flush=True)
 
-    parts = {"attention": attention_part, "model": model_part, "decode": decode_part}
-    budgets = dict(zip(parts, args.budget_s))
+    parts = {"attention": attention_part, "model": model_part, "decode": decode_part, "compiled": compiled_part}
+    budgets = dict(zip(PARTS, args.budget_s))
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     from nprf_hf import nprf_triton
 

@@ -2,8 +2,9 @@
 """What runs a call of `nprf_attention`: the algorithm ("auto" resolved per backend and shape), the band width the
 banded products use, the execution mode, and whether the fused kernels (`nprf_triton`) take it. The crossovers are
 one table per backend: the PyTorch algorithms' were measured on the 2-core CPU; on a CUDA device "auto" is the Triton
-kernels wherever they compute the call (eager mode), and the PyTorch crossovers otherwise. What then runs is one row
-of PRODUCTS, (backend, algorithm, mode) -> the row, every Toeplitz product called with one `ToeplitzCall`.
+kernels wherever they compute the call (eager or compiled: they are custom ops), and the PyTorch crossovers
+otherwise. What then runs is one row of PRODUCTS, (backend, algorithm, mode) -> the row, every Toeplitz product
+called with one `ToeplitzCall`.
 """
 
 from typing import Callable, NamedTuple, Optional, Sequence
@@ -51,12 +52,13 @@ KERNEL_OF_DEVICE = {"cuda": "triton"}
 
 
 def kernel_or_auto(algorithm, query, projection, variant, terms):
-    """"triton" where the fused kernels can run this call ("auto": on a CUDA device in eager mode), else "auto" (any
-    other algorithm is returned as it is: the user chose PyTorch's). An explicit "triton" where Triton cannot run is
-    an error; a call with something the kernels do not fuse runs the PyTorch algorithms, said once in the log."""
+    """"triton" where the fused kernels can run this call ("auto": on a CUDA device, eager or under torch.compile,
+    which traces the kernels' custom ops), else "auto" (any other algorithm is returned as it is: the user chose
+    PyTorch's). An explicit "triton" where Triton cannot run is an error; a call with something the kernels do not
+    fuse runs the PyTorch algorithms, said once in the log."""
     if algorithm not in ("auto", "triton"):
         return algorithm
-    if algorithm == "auto" and (KERNEL_OF_DEVICE.get(query.device.type) != "triton" or torch.compiler.is_compiling()):
+    if algorithm == "auto" and KERNEL_OF_DEVICE.get(query.device.type) != "triton":
         return "auto"
     reason = triton_cannot_run(query)
     if reason is not None and algorithm == "triton":

@@ -4,17 +4,24 @@ backward, bidirectional and causal, with key padding and the logit scale. The fe
 normalization run inside the kernels: what is kept for backward is q, k, v, the output, its denominator and the
 per-block key states (n / BT x m x d_v per head), never the [n, m] features.
 
+The launches are custom ops (`attention_forward` with its autograd, `attention_backward`, `decode_step`), with
+shape-only fake implementations: torch.compile traces a call without a graph break, and a compiled model's kernels
+run with no Python per launch (under CUDA graphs, none at all).
+
 Triton is optional: this file imports it only when the algorithm runs (a model's remote code must load on
-machines without it), and on CPU tensors only under TRITON_INTERPRET=1 (Triton's interpreter, which the tests
-use).
+machines without it; registering the ops needs only torch), and on CPU tensors only under TRITON_INTERPRET=1
+(Triton's interpreter, which the tests use).
 """
 
 import logging
 import math
 import os
+import re
+from typing import Optional
 
 import torch
 
+from .nprf_banded import _free_library
 from .nprf_features import NORM_EPS
 
 
@@ -56,7 +63,31 @@ def triton_cannot_run(query):
         return "Triton does not import (pip install triton)"
     if not (query.is_cuda or interpreting()):
         return f"the inputs are on {query.device.type}, and Triton runs on CUDA devices (or with TRITON_INTERPRET=1)"
+    if torch.compiler.is_compiling():
+        return kernels_fail_on(query.device, query.dtype)
     return None
+
+
+_probed = {}  # (device, dtype) -> None where the kernels ran there, else why not (`kernels_fail_on`)
+
+
+@torch.compiler.assume_constant_result
+def kernels_fail_on(device, dtype):
+    """None where the kernels build and run on `device` in `dtype`, else why not: a tiny forward and backward, once
+    per process, run while torch.compile traces (a failure inside a compiled graph could not fall back, as an eager
+    call does); a failure turns the kernels off for the process (`disable_triton`)."""
+    if (device, dtype) not in _probed:
+        try:
+            with torch.enable_grad():
+                q, k, v = (torch.randn(1, 1, BLOCK + 1, 16, device=device, dtype=dtype, requires_grad=True)
+                           for _ in range(3))
+                bias, projection = torch.zeros(1, 2 * BLOCK + 1, device=device), torch.randn(16, 16, device=device)
+                triton_attention(q, k, v, bias, projection, None, None, 2, False).sum().backward()
+            _probed[device, dtype] = None
+        except Exception as error:  # noqa: BLE001
+            _probed[device, dtype] = f"the kernels failed here ({type(error).__name__}: {error})"
+            disable_triton(_probed[device, dtype])
+    return _probed[device, dtype]
 
 
 def triton_unfused(query, projection, variant, terms):
@@ -73,12 +104,15 @@ def triton_unfused(query, projection, variant, terms):
     return None
 
 
+# (run as it is while torch.compile traces, its result a constant: a log call in the graph would break it)
+@torch.compiler.assume_constant_result
 def log_fallback_once(reason):
     """One log line per reason and process: a call that asked for "triton" (or got it from "auto") and runs the
     PyTorch algorithms instead."""
     if reason not in _told:
         _told.add(reason)
         logger.warning("nprf_attention: the Triton kernels do not run here (%s); using the PyTorch algorithms", reason)
+    return True
 
 
 def triton_attention(query, key, value, rpe_bias, projection, key_padding_mask, logit_scale, band_width, causal,
@@ -92,8 +126,9 @@ def triton_attention(query, key, value, rpe_bias, projection, key_padding_mask, 
     c = torch.exp(bias - bias.detach().amax(dim=-1, keepdim=True))
     root = _feature_root(logit_scale, heads, query.device)
     reach = -(-(min(band_width, n) - 1) // block)
-    return _TritonProduct.apply(query, key, value, c, root, projection, key_padding_mask, causal, reach,
-                                (block, num_warps))
+    # (the projection is a constant to the kernels: they do not compute its gradient)
+    return attention_forward(query, key, value, c, root, projection.detach(), key_padding_mask, causal, reach, block,
+                             num_warps)[0]
 
 
 def _feature_root(logit_scale, heads, device):
@@ -103,13 +138,12 @@ def _feature_root(logit_scale, heads, device):
 
 def _block_size(x):
     """The power of two >= x and >= 16 that a kernel's block of x columns takes (tl.dot's smallest size)."""
-    return max(16, 1 << (x - 1).bit_length())
+    return max(16, 1 << (int(x) - 1).bit_length())
 
 
-def _launch(query, value, projection, tile):
+def _launch(query, value, projection, block, num_warps):
     """What forward and backward launch with: (sizes s, the kernels' shared meta-parameters, their shared size
     arguments, log(m) / 2, the grid (blocks, B * H))."""
-    block, num_warps = tile
     batch, heads, n, d = query.shape
     m, dv = projection.shape[-2], value.shape[-1]
     s = dict(batch=batch, heads=heads, n=n, d=d, dv=dv, m=m, blocks=-(-n // block), BV=_block_size(dv),
@@ -141,71 +175,119 @@ def _mask_arg(key_padding_mask, query):
     return mask, mask.stride(0), True
 
 
-class _TritonProduct(torch.autograd.Function):
-    """z = NPRF attention of (q, k, v) with Toeplitz coefficients c [H, 2n - 1] and feature scale root [H]."""
+# The kernels as custom ops (forward, backward, decode step): torch.compile traces a call as one opaque op with its
+# shapes from the fake implementations (no graph break, no Python per launch under CUDA graphs), and the eager path
+# runs the same ops. A second copy of this file (the package loaded again as remote code) registers ops of its own.
+_LIBRARY = _free_library(re.sub(r"\W", "_", __name__), "attention_forward")
 
-    @staticmethod
-    def forward(ctx, query, key, value, c, root, projection, key_padding_mask, causal, reach, tile):
-        # (`from .x import`, the form transformers follows to copy a remote-code file's siblings)
-        from .nprf_triton_kernels import nprf_forward_kernel, nprf_key_states_kernel
 
-        s, common, sizes, log_m_half, grid = _launch(query, value, projection, tile)
-        projection = projection.detach().float().contiguous()
-        c, root = c.detach().float().contiguous(), root.detach().float().contiguous()
-        mask, stride_mb, has_mask = _mask_arg(key_padding_mask, query)
-        states = query.new_empty(*grid[::-1], s["BM"], s["BV"], dtype=torch.float32)
-        sums = query.new_empty(*grid[::-1], s["BM"], dtype=torch.float32)
-        nprf_key_states_kernel[grid](
-            key, value, projection, mask, root, states, sums, *key.stride(), *value.stride(), stride_mb,
-            *sizes, log_m_half, HAS_MASK=has_mask, **common,
-        )
-        prefix, prefix_sums = _prefix(states), _prefix(sums)
-        out = torch.empty(s["batch"], s["heads"], s["n"], s["dv"], device=query.device, dtype=value.dtype)
-        denominator = torch.empty(s["batch"], s["heads"], s["n"], device=query.device, dtype=torch.float32)
-        nprf_forward_kernel[grid](
-            query, key, value, projection, mask, root, c, prefix, prefix_sums, out, denominator,
-            *query.stride(), *key.stride(), *value.stride(), stride_mb, *sizes, reach, log_m_half,
-            CAUSAL=causal, HAS_MASK=has_mask, **common,
-        )
-        ctx.save_for_backward(query, key, value, c, root, projection, mask, prefix, prefix_sums, out, denominator)
-        ctx.settings = (causal, reach, tile, has_mask, stride_mb)
-        return out
+@torch.library.custom_op(f"{_LIBRARY}::attention_forward", mutates_args=())
+def attention_forward(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c: torch.Tensor, root: torch.Tensor,
+    projection: torch.Tensor, key_padding_mask: Optional[torch.Tensor], causal: bool, reach: int, block: int,
+    num_warps: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """z [B, H, n, d_v] of q, k, v with Toeplitz coefficients c [H, 2n - 1] and feature scale root [H], and what
+    backward reads: its denominator [B, H, n] and the prefix sums of the key states [B*H, NC + 1, BM, BV] and of
+    the key features [B*H, NC + 1, BM] (fp32)."""
+    # (`from .x import`, the form transformers follows to copy a remote-code file's siblings)
+    from .nprf_triton_kernels import nprf_forward_kernel, nprf_key_states_kernel
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        from .nprf_triton_kernels import nprf_key_grad_kernel, nprf_query_grad_kernel, nprf_query_states_kernel
+    s, common, sizes, log_m_half, grid = _launch(query, value, projection, block, num_warps)
+    projection, c, root = (t.float().contiguous() for t in (projection, c, root))
+    mask, stride_mb, has_mask = _mask_arg(key_padding_mask, query)
+    states = query.new_empty(*grid[::-1], s["BM"], s["BV"], dtype=torch.float32)
+    sums = query.new_empty(*grid[::-1], s["BM"], dtype=torch.float32)
+    nprf_key_states_kernel[grid](
+        key, value, projection, mask, root, states, sums, *key.stride(), *value.stride(), stride_mb,
+        *sizes, log_m_half, HAS_MASK=has_mask, **common,
+    )
+    prefix, prefix_sums = _prefix(states), _prefix(sums)
+    out = torch.empty(s["batch"], s["heads"], s["n"], s["dv"], device=query.device, dtype=value.dtype)
+    denominator = torch.empty(s["batch"], s["heads"], s["n"], device=query.device, dtype=torch.float32)
+    nprf_forward_kernel[grid](
+        query, key, value, projection, mask, root, c, prefix, prefix_sums, out, denominator,
+        *query.stride(), *key.stride(), *value.stride(), stride_mb, *sizes, reach, log_m_half,
+        CAUSAL=causal, HAS_MASK=has_mask, **common,
+    )
+    return out, denominator, prefix, prefix_sums
 
-        query, key, value, c, root, projection, mask, prefix, prefix_sums, out, denominator = ctx.saved_tensors
-        causal, reach, tile, has_mask, stride_mb = ctx.settings
-        s, common, sizes, log_m_half, grid = _launch(query, value, projection, tile)
-        # dz_i / den_i and -(that . z_i): the gradient of weight (i, j) is g_i . v_j + delta_i
-        kept = denominator > 0
-        g = torch.where(kept[..., None], grad_out.float() / torch.where(kept, denominator, 1.0)[..., None], 0.0)
-        delta = -(g * out.float()).sum(-1)
-        g, delta = g.contiguous(), delta.contiguous()
-        query_states = query.new_empty(*grid[::-1], s["BM"], s["BV"], dtype=torch.float32)
-        query_sums = query.new_empty(*grid[::-1], s["BM"], dtype=torch.float32)
-        nprf_query_states_kernel[grid](
-            query, g, delta, projection, root, query_states, query_sums, *query.stride(), *sizes, log_m_half,
-            **common,
-        )
-        query_prefix, query_prefix_sums = _prefix(query_states), _prefix(query_sums)
-        dq = torch.empty(s["batch"], s["heads"], s["n"], s["d"], device=query.device, dtype=torch.float32)
-        dk, dv = torch.empty_like(dq), torch.empty(*dq.shape[:3], s["dv"], device=query.device, dtype=torch.float32)
-        dc = c.new_zeros(s["batch"], *c.shape)  # [B, H, 2n - 1], summed over the batch below
-        droot = torch.zeros_like(root)
-        strides = (*query.stride(), *key.stride(), *value.stride(), stride_mb)
-        nprf_query_grad_kernel[grid](
-            query, key, value, projection, mask, root, c, prefix, prefix_sums, g, delta, dq, dc, droot,
-            *strides, *sizes, reach, log_m_half, CAUSAL=causal, HAS_MASK=has_mask, NEED_DC=ctx.needs_input_grad[3],
-            **common,
-        )
-        nprf_key_grad_kernel[grid](
-            query, key, value, projection, mask, root, c, query_prefix, query_prefix_sums, g, delta, dk, dv, droot,
-            *strides, *sizes, reach, log_m_half, CAUSAL=causal, HAS_MASK=has_mask, **common,
-        )
-        return (dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), dc.sum(0), droot, None, None, None, None,
-                None)
+
+@attention_forward.register_fake
+def _(query, key, value, c, root, projection, key_padding_mask, causal, reach, block, num_warps):
+    (batch, heads, n, _), m, dv = query.shape, projection.shape[-2], value.shape[-1]
+    rows = (batch * heads, -(-n // block) + 1, _block_size(m))
+    return (query.new_empty(batch, heads, n, dv, dtype=value.dtype),
+            query.new_empty(batch, heads, n, dtype=torch.float32),
+            query.new_empty(*rows, _block_size(dv), dtype=torch.float32), query.new_empty(*rows, dtype=torch.float32))
+
+
+@torch.library.custom_op(f"{_LIBRARY}::attention_backward", mutates_args=())
+def attention_backward(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c: torch.Tensor, root: torch.Tensor,
+    projection: torch.Tensor, key_padding_mask: Optional[torch.Tensor], out: torch.Tensor, denominator: torch.Tensor,
+    prefix: torch.Tensor, prefix_sums: torch.Tensor, grad_out: torch.Tensor, causal: bool, reach: int, block: int,
+    num_warps: int, needs_c: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv in their inputs' dtypes, dc [H, 2n - 1] (zeros unless `needs_c`), d root [H]) of
+    `attention_forward` from what it returned and grad_out [B, H, n, d_v]."""
+    from .nprf_triton_kernels import nprf_key_grad_kernel, nprf_query_grad_kernel, nprf_query_states_kernel
+
+    s, common, sizes, log_m_half, grid = _launch(query, value, projection, block, num_warps)
+    projection, c, root = (t.float().contiguous() for t in (projection, c, root))
+    # (the kernels index these as laid out by forward: contiguous, whatever a compiler passes)
+    prefix, prefix_sums, denominator = (t.contiguous() for t in (prefix, prefix_sums, denominator))
+    mask, stride_mb, has_mask = _mask_arg(key_padding_mask, query)
+    # dz_i / den_i and -(that . z_i): the gradient of weight (i, j) is g_i . v_j + delta_i
+    kept = denominator > 0
+    g = torch.where(kept[..., None], grad_out.float() / torch.where(kept, denominator, 1.0)[..., None], 0.0)
+    delta = -(g * out.float()).sum(-1)
+    g, delta = g.contiguous(), delta.contiguous()
+    query_states = query.new_empty(*grid[::-1], s["BM"], s["BV"], dtype=torch.float32)
+    query_sums = query.new_empty(*grid[::-1], s["BM"], dtype=torch.float32)
+    nprf_query_states_kernel[grid](
+        query, g, delta, projection, root, query_states, query_sums, *query.stride(), *sizes, log_m_half, **common,
+    )
+    query_prefix, query_prefix_sums = _prefix(query_states), _prefix(query_sums)
+    dq = torch.empty(s["batch"], s["heads"], s["n"], s["d"], device=query.device, dtype=torch.float32)
+    dk, dv = torch.empty_like(dq), torch.empty(*dq.shape[:3], s["dv"], device=query.device, dtype=torch.float32)
+    dc = c.new_zeros(s["batch"], *c.shape)  # [B, H, 2n - 1], summed over the batch below
+    droot = torch.zeros_like(root)
+    strides = (*query.stride(), *key.stride(), *value.stride(), stride_mb)
+    nprf_query_grad_kernel[grid](
+        query, key, value, projection, mask, root, c, prefix, prefix_sums, g, delta, dq, dc, droot,
+        *strides, *sizes, reach, log_m_half, CAUSAL=causal, HAS_MASK=has_mask, NEED_DC=needs_c, **common,
+    )
+    nprf_key_grad_kernel[grid](
+        query, key, value, projection, mask, root, c, query_prefix, query_prefix_sums, g, delta, dk, dv, droot,
+        *strides, *sizes, reach, log_m_half, CAUSAL=causal, HAS_MASK=has_mask, **common,
+    )
+    return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), dc.sum(0), droot
+
+
+@attention_backward.register_fake
+def _(query, key, value, c, root, projection, key_padding_mask, out, denominator, prefix, prefix_sums, grad_out,
+      causal, reach, block, num_warps, needs_c):
+    # (contiguous, as the kernels write them, whatever the inputs' strides: a model's q, k, v are transposed views)
+    return (*(t.new_empty(t.shape) for t in (query, key, value)), c.new_empty(c.shape, dtype=torch.float32),
+            root.new_empty(root.shape, dtype=torch.float32))
+
+
+def _keep_for_backward(ctx, inputs, output):
+    *tensors, causal, reach, block, num_warps = inputs
+    ctx.save_for_backward(*tensors, *output)
+    ctx.settings = (causal, reach, block, num_warps)
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)  # (no zero gradients built for the outputs only backward reads)
+
+
+def _attention_grad(ctx, grad_out, *_):
+    """Gradients of q, k, v, c and root; none for the projection (a constant here) and the mask."""
+    dq, dk, dv, dc, droot = attention_backward(*ctx.saved_tensors, grad_out, *ctx.settings, ctx.needs_input_grad[3])
+    return dq, dk, dv, dc, droot, None, None, None, None, None, None
+
+
+attention_forward.register_autograd(_attention_grad, setup_context=_keep_for_backward)
 
 
 def triton_decode_step(query, key, value, new_mask, state, c, projection, logit_scale):
@@ -214,18 +296,31 @@ def triton_decode_step(query, key, value, new_mask, state, c, projection, logit_
     query, key, value [B, H, 1, d]; new_mask None or bool [B, 1]; state (far_states [B, H, m, d + 1], ring_features
     [B, H, W - 1, m], ring_values [B, H, W - 1, d + 1]) in fp32; c [H, W + 1] exp(bias) by distance, entry W the far
     one. Returns (out [B, H, 1, d] in query's dtype, the new state; the old one is not modified)."""
+    root = _feature_root(logit_scale, query.shape[1], query.device)
+    out, *new_state = decode_step(query, key, value, None if new_mask is None else new_mask[:, -1:], *state, c,
+                                  projection.detach(), root)
+    return out, new_state
+
+
+@torch.library.custom_op(f"{_LIBRARY}::decode_step", mutates_args=())
+def decode_step(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, new_mask: Optional[torch.Tensor],
+    far_states: torch.Tensor, ring_features: torch.Tensor, ring_values: torch.Tensor, c: torch.Tensor,
+    projection: torch.Tensor, root: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`triton_decode_step`'s launch (new_mask None or [B, 1], root [H]): (out, far_states, ring_features,
+    ring_values), the new state contiguous."""
     from .nprf_triton_kernels import nprf_decode_kernel
 
     batch, heads, _, d = query.shape
     dv, m = value.shape[-1], projection.shape[-2]
-    far_states, ring_features, ring_values = (t.contiguous() for t in state)
+    far_states, ring_features, ring_values = (t.contiguous() for t in (far_states, ring_features, ring_values))
     ring = ring_features.shape[-2]
-    root = _feature_root(logit_scale, heads, query.device)
-    mask, _, has_mask = _mask_arg(None if new_mask is None else new_mask[:, -1:], query)  # [B, 1]: the kernel reads b
+    mask, _, has_mask = _mask_arg(new_mask, query)  # [B, 1]: the kernel reads b
     out = torch.empty(batch, heads, 1, dv, device=query.device, dtype=query.dtype)
     new_state = [torch.empty_like(t) for t in (far_states, ring_features, ring_values)]
     nprf_decode_kernel[(batch * heads,)](
-        query, key, value, mask, projection.detach().float().contiguous(), root.contiguous(), c.float().contiguous(),
+        query, key, value, mask, projection.float().contiguous(), root.float().contiguous(), c.float().contiguous(),
         far_states, ring_features, ring_values, out, *new_state,
         query.stride(0), query.stride(1), query.stride(3), key.stride(0), key.stride(1), key.stride(3),
         value.stride(0), value.stride(1), value.stride(3),
@@ -233,4 +328,10 @@ def triton_decode_step(query, key, value, new_mask, state, c, projection, logit_
         HAS_MASK=has_mask, W_PER_HEAD=int(projection.dim() == 3), EPS=NORM_EPS,
         BD=_block_size(d), BE=_block_size(dv + 1), BM=_block_size(m), BR=_block_size(ring + 1),
     )
-    return out, new_state
+    return out, *new_state
+
+
+@decode_step.register_fake
+def _(query, key, value, new_mask, far_states, ring_features, ring_values, c, projection, root):
+    out = query.new_empty(*query.shape[:3], value.shape[-1])
+    return out, *(t.new_empty(t.shape) for t in (far_states, ring_features, ring_values))

@@ -366,7 +366,8 @@ def test_kept_memory_counts_what_backward_keeps(tmp_path):
 
 def test_gpu_benchmark_runs_every_part_through_the_interpreter(tmp_path):
     """benchmarks/gpu.py --tiny: the one GPU run's code at toy sizes (the kernels under Triton's interpreter), so
-    that a device loan is not spent on a typo; every part writes its ratios, and the plot is made."""
+    that a device loan is not spent on a typo; every part writes its ratios (the compiled models' through aot_eager,
+    dynamo and AOTAutograd without inductor's code generation), and the plot is made."""
     import subprocess
     import sys
 
@@ -384,6 +385,11 @@ def test_gpu_benchmark_runs_every_part_through_the_interpreter(tmp_path):
     assert [(r["batch"], r["n"]) for r in results["model"]] == [(2, 24), (1, 40)]
     assert all(r["nprf_over_sdpa_train"] > 0 for r in results["model"])
     assert {(r["batch"], r["context"]) for r in results["decode"]} == {(1, 16), (1, 40), (2, 16), (2, 40)}
+    # compiled (aot_eager here): both models at every point, the NPRF model's kernels traced without a graph break
+    assert [(r["batch"], r["n"]) for r in results["compiled"]] == [(2, 24), (1, 40)]
+    for row in results["compiled"]:
+        assert row["nprf_over_sdpa_train"] > 0 and row["nprf_over_sdpa_forward"] > 0
+        assert row["nprf_train_graph_breaks"] == row["nprf_forward_graph_breaks"] == 0
     assert (tmp_path / "gpu.png").stat().st_size > 0
     # without the interpreter on a CPU-only machine it refuses with one line, not a traceback
     env.pop("TRITON_INTERPRET")

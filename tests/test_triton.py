@@ -90,8 +90,8 @@ def test_the_public_function_runs_the_kernels(causal, monkeypatch):
     q, k, v, table, projection, mask = inputs(3, 2, n, 16, 16, width, generator)
     bias = tied_table_bias(table, n, width).detach()
     calls = []
-    original = nprf_triton._TritonProduct.apply
-    monkeypatch.setattr(nprf_triton._TritonProduct, "apply", lambda *a: calls.append(1) or original(*a))
+    original = nprf_triton.attention_forward
+    monkeypatch.setattr(nprf_triton, "attention_forward", lambda *a: calls.append(1) or original(*a))
     out = Fn.nprf_attention(q, k, v, bias, projection, mask, algorithm="triton", causal=causal)
     banded = Fn.nprf_attention(q, k, v, bias, projection, mask, algorithm="banded", causal=causal, band_width=width + 1)
     assert calls, "algorithm='triton' did not run the kernels"
@@ -202,7 +202,7 @@ def test_auto_falls_back_once_when_the_kernels_fail_on_the_device(monkeypatch, c
         attempts.append(1)
         raise RuntimeError("PTX assembly failed")
 
-    monkeypatch.setattr(nprf_triton._TritonProduct, "apply", broken)
+    monkeypatch.setattr(nprf_triton, "attention_forward", broken)
     generator = torch.Generator().manual_seed(2)
     n, width = 30, 4
     q, k, v, table, projection, mask = inputs(2, 2, n, 16, 16, width, generator)
@@ -277,3 +277,155 @@ def test_generation_through_the_kernels():
         steps.append((torch.stack(logits, 1), len(calls)))
     assert steps[0][1] == 0 and steps[1][1] == 10 * 2  # ten steps, two layers: every step through the kernel
     assert relative_error(steps[1][0], steps[0][0]) < 1e-5
+
+
+# ---- the kernels as custom ops under torch.compile (issue 43) -------------------------------------------------------
+
+
+def test_the_ops_pass_opcheck():
+    """The forward, backward and decode ops: schema, fake (shape-only) implementations against the real ones, and
+    the autograd registration (torch.library.opcheck), at a tiny shape with key padding and a logit scale; q, k, v
+    are transposed views [B, n, H, d] -> [B, H, n, d], as a model's (the ops return contiguous tensors)."""
+    generator = torch.Generator().manual_seed(31)
+    n = 20  # two blocks of 16, one sequence, one head: few programs for the interpreter
+    _, _, _, _, projection, mask = inputs(1, 1, n, 16, 16, 4, generator)
+    q, k, v = (torch.randn(1, n, 1, 16, generator=generator).transpose(1, 2).requires_grad_(True) for _ in range(3))
+    c = torch.rand(1, 2 * n - 1, generator=generator).requires_grad_(True)
+    root = (torch.rand(1, generator=generator) + 0.5).requires_grad_(True)
+    args = (q, k, v, c, root, projection, mask, True, 1, 16, 4)
+    torch.library.opcheck(nprf_triton.attention_forward, args)
+    saved = [t.detach() for t in nprf_triton.attention_forward(*args)]
+    plain = [t.detach() for t in args[:6]]
+    torch.library.opcheck(nprf_triton.attention_backward,
+                          (*plain, mask, *saved, torch.randn(q.shape, generator=generator), True, 1, 16, 4, True))
+    state = [torch.rand(2, 2, 16, 17, generator=generator), torch.rand(2, 2, 3, 16, generator=generator),
+             torch.rand(2, 2, 3, 17, generator=generator)]
+    token = [torch.randn(2, 2, 1, 16, generator=generator) for _ in range(3)]
+    torch.library.opcheck(nprf_triton.decode_step, (*token, torch.tensor([[True], [False]]), *state,
+                                                    torch.rand(2, 5, generator=generator), projection, root.detach()))
+
+
+@pytest.mark.filterwarnings("ignore:Your compiler for AOTAutograd")
+@pytest.mark.parametrize("causal", [False, True])
+def test_compiled_calls_run_the_kernels_without_a_graph_break(causal):
+    """torch.compile(fullgraph=True) of nprf_attention(algorithm="triton") traces the kernels' ops (forward in the
+    forward graph, backward in the backward graph): values and the gradients of q, k, v, the bias table and the
+    logit scale equal eager's."""
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    torch._dynamo.reset()
+    generator = torch.Generator().manual_seed(41 + causal)
+    n, width = 36, 5
+    q, k, v, table, projection, mask = inputs(2, 2, n, 16, 16, width, generator)
+    scale = (torch.rand(2, generator=generator) + 0.5).requires_grad_(True)
+
+    def attention(q, k, v, table, scale):
+        return Fn.nprf_attention(q, k, v, tied_table_bias(table, n, width), projection, mask, algorithm="triton",
+                                 causal=causal, band_width=width + 1, logit_scale=scale)
+
+    backend = AotEagerAndRecordGraphs()
+    leaves = (q, k, v, table, scale)
+    compiled = torch.compile(attention, backend=backend, fullgraph=True)(*leaves)
+    eager = attention(*leaves)
+    grad_out = torch.randn(eager.shape, generator=generator)
+    got = torch.autograd.grad(compiled, leaves, grad_out)
+    want = torch.autograd.grad(eager, leaves, grad_out)
+    assert relative_error(compiled, eager) < 1e-6
+    for name, a, b in zip(("q", "k", "v", "table", "logit_scale"), got, want):
+        assert relative_error(a, b) < 1e-6, name
+    library = nprf_triton._LIBRARY
+    assert f"{library}.attention_forward" in backend.fw_graphs[0].code
+    assert f"{library}.attention_backward" in backend.bw_graphs[0].code
+    torch._dynamo.reset()
+
+
+@pytest.mark.filterwarnings("ignore:Your compiler for AOTAutograd")
+def test_compiled_auto_falls_back_without_a_graph_break(monkeypatch, caplog):
+    """Compiled (fullgraph=True), "auto" on a CUDA device (the CPU plays one) keeps eager's fallbacks: unfused terms
+    run the PyTorch algorithms, and kernels that fail on the device (found by a tiny call while tracing) are turned
+    off for the process; each said once in the log."""
+    from nprf_hf import nprf_dispatch
+
+    monkeypatch.setattr(nprf_dispatch, "KERNEL_OF_DEVICE", {"cpu": "triton"})
+    monkeypatch.setattr(nprf_triton, "_disabled", [])
+    monkeypatch.setattr(nprf_triton, "_told", set())
+    monkeypatch.setattr(nprf_triton, "_probed", {})
+    generator = torch.Generator().manual_seed(13)
+    n, width = 24, 5
+    q, k, v, table, projection, mask = inputs(2, 2, n, 16, 16, width, generator)
+    bias = tied_table_bias(table, n, width).detach()
+    segments = (torch.arange(n) >= n // 2).long().expand(2, n)
+    beta = torch.tensor([0.5, -1.0])
+
+    def attention(q, k, v, **terms):
+        return Fn.nprf_attention(q, k, v, bias, projection, mask, band_width=width + 1, **terms)
+
+    torch._dynamo.reset()
+    with caplog.at_level(logging.WARNING, logger="nprf_hf.nprf_triton"):
+        compiled = torch.compile(attention, backend="aot_eager", fullgraph=True)
+        segmented = compiled(q, k, v, segment_ids=segments, segment_bias=beta, num_segments=2)
+        monkeypatch.setattr(nprf_triton, "_probed", {})
+        monkeypatch.setattr(nprf_triton, "attention_forward", lambda *a: 1 / 0)
+        torch._dynamo.reset()
+        plain = compiled(q, k, v)
+    said = [r.getMessage() for r in caplog.records if "Triton kernels do not run" in r.getMessage()]
+    assert len(said) == 2 and "segment_bias" in said[0] and "ZeroDivisionError" in said[1]
+    assert "ZeroDivisionError" in nprf_triton._disabled[0]
+    want = naive_attention(q, k, v, bias, projection, mask, segment_ids=segments, segment_bias=beta)
+    assert relative_error(segmented, want) < 1e-5
+    assert relative_error(plain, naive_attention(q, k, v, bias, projection, mask)) < 1e-5
+    torch._dynamo.reset()
+
+
+@pytest.mark.filterwarnings("ignore:Your compiler for AOTAutograd")
+def test_compiled_auto_runs_the_kernels_in_a_model(monkeypatch):
+    """Under torch.compile "auto" is the kernels on a CUDA device too (the CPU plays one here): a tiny model compiled
+    with fullgraph=True runs the forward op and equals the eager PyTorch algorithms in logits and gradients; a
+    compiled decode step runs the decode op."""
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    from nprf_hf import NPRFRobertaConfig, NPRFRobertaForCausalLM, nprf_dispatch, nprf_recurrent
+    from nprf_hf.nprf_terms import AttentionTerms
+
+    torch._dynamo.reset()
+    config = NPRFRobertaConfig(**tiny_nprf_config(num_hidden_layers=1), is_decoder=True)
+    torch.manual_seed(0)
+    model = NPRFRobertaForCausalLM(config)
+    ids = torch.randint(3, 99, (2, 40))
+    attention_mask = torch.ones(2, 40, dtype=torch.long)
+    attention_mask[1, 31:] = 0
+    model.zero_grad()
+    eager = model(input_ids=ids, attention_mask=attention_mask).logits  # "auto" on the CPU: PyTorch's algorithms
+    eager.square().mean().backward()
+    want = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    monkeypatch.setattr(nprf_dispatch, "KERNEL_OF_DEVICE", {"cpu": "triton"})
+    backend = AotEagerAndRecordGraphs()
+    model.zero_grad()
+    logits = torch.compile(model, backend=backend, fullgraph=True)(input_ids=ids, attention_mask=attention_mask).logits
+    logits.square().mean().backward()
+    assert f"{nprf_triton._LIBRARY}.attention_forward" in backend.fw_graphs[0].code
+    assert relative_error(logits, eager) < 1e-5
+    for name, grad in want.items():
+        assert relative_error(model.get_parameter(name).grad, grad) < 1e-4, name
+    # a decode step (one token, no autograd)
+    generator = torch.Generator().manual_seed(43)
+    token = [torch.randn(2, 2, 1, 16, generator=generator) for _ in range(3)]
+    state = [torch.rand(2, 2, 16, 17, generator=generator), torch.rand(2, 2, 5, 16, generator=generator),
+             torch.rand(2, 2, 5, 17, generator=generator)]
+    table = torch.randn(2, 8, generator=generator)  # 8 buckets up to distance 16: a band of W = 6, a ring of 5
+    projection = Fn.draw_projection(16, 16, num_heads=2, generator=generator)
+    terms = AttentionTerms.from_arguments(logit_scale=torch.rand(2, generator=generator) + 0.5)
+    new_mask = torch.tensor([[True], [False]])
+
+    def step(algorithm):
+        return nprf_recurrent.recurrent_step(*token, new_mask, state, table, projection, 6, 8, 16, algorithm, "nprf",
+                                             terms)
+
+    backend = AotEagerAndRecordGraphs()
+    with torch.no_grad():
+        (out, new_state), (want_out, want_state) = torch.compile(step, backend=backend, fullgraph=True)("auto"), step(
+            "banded")
+    assert f"{nprf_triton._LIBRARY}.decode_step" in backend.graphs[0].code
+    for got, expected in zip((out, *new_state), (want_out, *want_state)):
+        assert relative_error(got, expected) < 1e-5
+    torch._dynamo.reset()
