@@ -149,23 +149,33 @@ class _ItemsAttention(torch.autograd.Function):
                                "one backward); for a second backward, run the forward again")
         ctx.graphs = None
         wanted = ctx.needs_input_grad[4:]
+        # q, k, v: each item writes its own part, on its thread; the rest is summed below over the items in their
+        # order (the same sum on every run)
+        out = [grad_out.new_empty(shape, dtype=dtype) if want and i < 3 else None
+               for i, ((shape, dtype), want) in enumerate(zip(ctx.inputs, wanted))]
         grads = [None] * len(items)
 
         def item(index, slot):
             rows, cut = items[index]
             z, leaves = graphs[index]
+            graphs[index] = None
             inputs = [leaf for leaf, want in zip(leaves, wanted) if want]
             found = iter(torch.autograd.grad(z, inputs, grad_out[rows, cut], allow_unused=True))
             grads[index] = [next(found) if want else None for want in wanted]
-            graphs[index] = None
+            for i, total in enumerate(out[:3]):
+                if total is not None:
+                    part, grad, grads[index][i] = _cut(total, rows, cut, i), grads[index][i], None
+                    if grad is None:
+                        part.zero_()
+                    else:
+                        part.copy_(grad)
 
         parallel_items(len(items), item, grad_out.device)
-        out = []
         for i, ((shape, dtype), want) in enumerate(zip(ctx.inputs, wanted)):
-            total = grad_out.new_zeros(shape, dtype=dtype) if want else None
-            for (rows, cut), item_grads in zip(items, grads):  # in the items' order: the same sum on every run
-                if want and item_grads[i] is not None:
-                    _cut(total, rows, cut, i).add_(item_grads[i])
-            out.append(total)
+            if want and i >= 3:
+                out[i] = grad_out.new_zeros(shape, dtype=dtype)
+                for (rows, cut), item_grads in zip(items, grads):
+                    if item_grads[i] is not None:
+                        _cut(out[i], rows, cut, i).add_(item_grads[i])
         return (None, None, None, None, *out)
 
