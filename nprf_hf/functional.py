@@ -84,7 +84,7 @@ def nprf_attention(
         projection: [m, d] or [H, m, d].
         key_padding_mask: [B, n], bool or 0/1; True/1 = keep. Padded keys count in neither sum.
         algorithm: "auto", "dense", "fft", "banded" or "triton" (all exact; they differ in speed only). "triton"
-            runs on CUDA tensors (CPU ones under TRITON_INTERPRET=1), and "auto" picks it there in eager mode; a
+            runs on CUDA tensors (CPU ones under TRITON_INTERPRET=1), and "auto" picks it there (eager or compiled); a
             call with a term it does not fuse (segment bias, word matching, first-key bias), another variant or a
             projection that requires grad runs the PyTorch algorithms, said once in the log.
         causal: drop keys after the query (j > i).
