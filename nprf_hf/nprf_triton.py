@@ -161,17 +161,20 @@ def _dot_precision(query):
     return 2 if interpreting() else 1
 
 
-def _prefix(states):
-    """[BH, NC, ...] per-block sums -> [BH, NC + 1, ...] exclusive prefix sums (entry NC is the total)."""
-    prefix = states.new_zeros(states.shape[0], states.shape[1] + 1, *states.shape[2:])
-    torch.cumsum(states, dim=1, out=prefix[:, 1:])
-    return prefix
+def _block_states(query, s):
+    """The buffer a states kernel fills, [B*H, NC, BM * (BV + 1)] fp32: per block its [BM, BV] states, then its [BM]
+    sums (one buffer: one cumsum, no zero row; the kernels read block j's exclusive prefix at j - 1)."""
+    return query.new_empty(s["batch"] * s["heads"], s["blocks"], s["BM"] * (s["BV"] + 1), dtype=torch.float32)
 
 
 def _mask_arg(key_padding_mask, query):
+    """(the mask [B, n] as the kernels read it (`!= 0`, unit stride along n), its batch stride, whether there is one);
+    without a mask, query stands in for the pointer (never read)."""
     if key_padding_mask is None:
-        return torch.zeros(1, dtype=torch.int8, device=query.device), 0, False
-    mask = key_padding_mask.to(device=query.device, dtype=torch.int8).contiguous()
+        return query, 0, False
+    mask = key_padding_mask
+    if mask.device != query.device or mask.stride(-1) != 1 or mask.dtype not in (torch.bool, torch.int8, torch.uint8):
+        mask = mask.to(device=query.device, dtype=torch.int8).contiguous()
     return mask, mask.stride(0), True
 
 
@@ -186,47 +189,45 @@ def attention_forward(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c: torch.Tensor, root: torch.Tensor,
     projection: torch.Tensor, key_padding_mask: Optional[torch.Tensor], causal: bool, reach: int, block: int,
     num_warps: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """z [B, H, n, d_v] of q, k, v with Toeplitz coefficients c [H, 2n - 1] and feature scale root [H], and what
-    backward reads: its denominator [B, H, n] and the prefix sums of the key states [B*H, NC + 1, BM, BV] and of
-    the key features [B*H, NC + 1, BM] (fp32)."""
+    backward reads: its denominator [B, H, n] and the inclusive prefix sums over the blocks of the key states and
+    key-feature sums [B*H, NC, BM * (BV + 1)] (fp32, `_block_states`)."""
     # (`from .x import`, the form transformers follows to copy a remote-code file's siblings)
     from .nprf_triton_kernels import nprf_forward_kernel, nprf_key_states_kernel
 
     s, common, sizes, log_m_half, grid = _launch(query, value, projection, block, num_warps)
     projection, c, root = (t.float().contiguous() for t in (projection, c, root))
     mask, stride_mb, has_mask = _mask_arg(key_padding_mask, query)
-    states = query.new_empty(*grid[::-1], s["BM"], s["BV"], dtype=torch.float32)
-    sums = query.new_empty(*grid[::-1], s["BM"], dtype=torch.float32)
+    prefix = _block_states(query, s)
     nprf_key_states_kernel[grid](
-        key, value, projection, mask, root, states, sums, *key.stride(), *value.stride(), stride_mb,
+        key, value, projection, mask, root, prefix, *key.stride(), *value.stride(), stride_mb,
         *sizes, log_m_half, HAS_MASK=has_mask, **common,
     )
-    prefix, prefix_sums = _prefix(states), _prefix(sums)
+    prefix.cumsum_(1)  # (in place: contiguous in and out, no copy)
     out = torch.empty(s["batch"], s["heads"], s["n"], s["dv"], device=query.device, dtype=value.dtype)
     denominator = torch.empty(s["batch"], s["heads"], s["n"], device=query.device, dtype=torch.float32)
     nprf_forward_kernel[grid](
-        query, key, value, projection, mask, root, c, prefix, prefix_sums, out, denominator,
+        query, key, value, projection, mask, root, c, prefix, out, denominator,
         *query.stride(), *key.stride(), *value.stride(), stride_mb, *sizes, reach, log_m_half,
         CAUSAL=causal, HAS_MASK=has_mask, **common,
     )
-    return out, denominator, prefix, prefix_sums
+    return out, denominator, prefix
 
 
 @attention_forward.register_fake
 def _(query, key, value, c, root, projection, key_padding_mask, causal, reach, block, num_warps):
     (batch, heads, n, _), m, dv = query.shape, projection.shape[-2], value.shape[-1]
-    rows = (batch * heads, -(-n // block) + 1, _block_size(m))
     return (query.new_empty(batch, heads, n, dv, dtype=value.dtype),
             query.new_empty(batch, heads, n, dtype=torch.float32),
-            query.new_empty(*rows, _block_size(dv), dtype=torch.float32), query.new_empty(*rows, dtype=torch.float32))
+            query.new_empty(batch * heads, -(-n // block), _block_size(m) * (_block_size(dv) + 1), dtype=torch.float32))
 
 
 @torch.library.custom_op(f"{_LIBRARY}::attention_backward", mutates_args=())
 def attention_backward(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c: torch.Tensor, root: torch.Tensor,
     projection: torch.Tensor, key_padding_mask: Optional[torch.Tensor], out: torch.Tensor, denominator: torch.Tensor,
-    prefix: torch.Tensor, prefix_sums: torch.Tensor, grad_out: torch.Tensor, causal: bool, reach: int, block: int,
+    prefix: torch.Tensor, grad_out: torch.Tensor, causal: bool, reach: int, block: int,
     num_warps: int, needs_c: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv in their inputs' dtypes, dc [H, 2n - 1] (zeros unless `needs_c`), d root [H]) of
@@ -236,38 +237,37 @@ def attention_backward(
     s, common, sizes, log_m_half, grid = _launch(query, value, projection, block, num_warps)
     projection, c, root = (t.float().contiguous() for t in (projection, c, root))
     # (the kernels index these as laid out by forward: contiguous, whatever a compiler passes)
-    prefix, prefix_sums, denominator = (t.contiguous() for t in (prefix, prefix_sums, denominator))
+    out, denominator, prefix = (t.contiguous() for t in (out, denominator, prefix))
     mask, stride_mb, has_mask = _mask_arg(key_padding_mask, query)
-    # dz_i / den_i and -(that . z_i): the gradient of weight (i, j) is g_i . v_j + delta_i
-    kept = denominator > 0
-    g = torch.where(kept[..., None], grad_out.float() / torch.where(kept, denominator, 1.0)[..., None], 0.0)
-    delta = -(g * out.float()).sum(-1)
-    g, delta = g.contiguous(), delta.contiguous()
-    query_states = query.new_empty(*grid[::-1], s["BM"], s["BV"], dtype=torch.float32)
-    query_sums = query.new_empty(*grid[::-1], s["BM"], dtype=torch.float32)
+    # g = dz / den [B, H, n, d_v] and delta = -(g . z) [B, H, n] (the gradient of weight (i, j) is g_i . v_j +
+    # delta_i), fp32: the query-states kernel computes them from grad_out (any strides) and stores them for the others
+    g = torch.empty(s["batch"], s["heads"], s["n"], s["dv"], device=query.device, dtype=torch.float32)
+    delta, query_prefix = g.new_empty(g.shape[:3]), _block_states(query, s)
     nprf_query_states_kernel[grid](
-        query, g, delta, projection, root, query_states, query_sums, *query.stride(), *sizes, log_m_half, **common,
+        query, grad_out, out, denominator, g, delta, projection, root, query_prefix, *query.stride(),
+        *grad_out.stride(), *sizes, log_m_half, **common,
     )
-    query_prefix, query_prefix_sums = _prefix(query_states), _prefix(query_sums)
-    dq = torch.empty(s["batch"], s["heads"], s["n"], s["d"], device=query.device, dtype=torch.float32)
-    dk, dv = torch.empty_like(dq), torch.empty(*dq.shape[:3], s["dv"], device=query.device, dtype=torch.float32)
-    dc = c.new_zeros(s["batch"], *c.shape)  # [B, H, 2n - 1], summed over the batch below
-    droot = torch.zeros_like(root)
+    query_prefix.cumsum_(1)
+    # (the kernels store each element once, cast to its tensor's dtype: no conversion after them)
+    dq, dk, dv = (torch.empty(t.shape, device=query.device, dtype=t.dtype) for t in (query, key, value))
+    # d root [H] and dc [B, H, 2n - 1] (a row per sequence, summed below) take atomic sums: one zero fill for both
+    zeros = c.new_zeros(root.numel() + s["batch"] * c.numel())
+    droot, dc = zeros[:root.numel()], zeros[root.numel():].view(s["batch"], *c.shape)
     strides = (*query.stride(), *key.stride(), *value.stride(), stride_mb)
     nprf_query_grad_kernel[grid](
-        query, key, value, projection, mask, root, c, prefix, prefix_sums, g, delta, dq, dc, droot,
+        query, key, value, projection, mask, root, c, prefix, g, delta, dq, dc, droot,
         *strides, *sizes, reach, log_m_half, CAUSAL=causal, HAS_MASK=has_mask, NEED_DC=needs_c, **common,
     )
     nprf_key_grad_kernel[grid](
-        query, key, value, projection, mask, root, c, query_prefix, query_prefix_sums, g, delta, dk, dv, droot,
+        query, key, value, projection, mask, root, c, query_prefix, g, delta, dk, dv, droot,
         *strides, *sizes, reach, log_m_half, CAUSAL=causal, HAS_MASK=has_mask, **common,
     )
-    return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), dc.sum(0), droot
+    return dq, dk, dv, dc.sum(0), droot
 
 
 @attention_backward.register_fake
-def _(query, key, value, c, root, projection, key_padding_mask, out, denominator, prefix, prefix_sums, grad_out,
-      causal, reach, block, num_warps, needs_c):
+def _(query, key, value, c, root, projection, key_padding_mask, out, denominator, prefix, grad_out, causal, reach,
+      block, num_warps, needs_c):
     # (contiguous, as the kernels write them, whatever the inputs' strides: a model's q, k, v are transposed views)
     return (*(t.new_empty(t.shape) for t in (query, key, value)), c.new_empty(c.shape, dtype=torch.float32),
             root.new_empty(root.shape, dtype=torch.float32))
@@ -316,7 +316,8 @@ def decode_step(
     dv, m = value.shape[-1], projection.shape[-2]
     far_states, ring_features, ring_values = (t.contiguous() for t in (far_states, ring_features, ring_values))
     ring = ring_features.shape[-2]
-    mask, _, has_mask = _mask_arg(new_mask, query)  # [B, 1]: the kernel reads b
+    # [B, 1]: the kernel reads entry b
+    mask, _, has_mask = _mask_arg(None if new_mask is None else new_mask.contiguous(), query)
     out = torch.empty(batch, heads, 1, dv, device=query.device, dtype=query.dtype)
     new_state = [torch.empty_like(t) for t in (far_states, ring_features, ring_values)]
     nprf_decode_kernel[(batch * heads,)](

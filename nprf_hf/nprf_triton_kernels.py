@@ -5,8 +5,8 @@ Per (sequence, head) and block of BT rows. T5 buckets make b_r constant for |r| 
 keys split into the REACH = ceil((W - 1) / BT) key blocks on either side of it (the band: weights
 c_{j-i} phi_q . phi_k computed exactly, tile by tile, with c read per pair) and every block beyond them (far:
 one constant c per direction, so a linear attention read from prefix sums of per-block states
-S = sum_j phi_k [v, 1]^T, kept only at block boundaries). phi is computed in the kernels from q, k and the
-projection and recomputed in backward; no [n, m] feature tensor reaches memory.
+S = sum_j phi_k [v, 1]^T: one cumsum of [B*H, NC, BM * (BV + 1)], per block [BM, BV] states then [BM] sums). phi is
+computed in the kernels from q, k and the projection and recomputed in backward; no [n, m] feature tensor is stored.
 
 Backward, with g_i = dz_i / den_i and delta_i = -g_i . z_i (the gradient of the product's weights is
 dA_ij = g_i . v_j + delta_i): dphi_q reads the forward's key states, dphi_k and dv read the same kind of states
@@ -77,6 +77,20 @@ def _projection(W, ROOT, h, M, D, W_PER_HEAD: tl.constexpr, BM: tl.constexpr, BD
 
 
 @triton.jit
+def _blocks(P, bh, lo, hi, NC, BM: tl.constexpr, BV: tl.constexpr):
+    """Blocks lo .. hi - 1 of sequence bh summed, from the inclusive prefix sums P [B*H, NC, BM * (BV + 1)] (the
+    cumsum of a states kernel's output, no zero row): (states [BM, BV], sums [BM])."""
+    feats, row = tl.arange(0, BM), BM * (BV + 1)
+    at = P + bh * NC * row + feats[:, None] * BV + tl.arange(0, BV)[None, :]
+    has_hi, has_lo = feats >= BM * (1 - hi), feats >= BM * (1 - lo)  # all or none: hi > 0, lo > 0 as [BM] masks
+    states = (tl.load(at + (hi - 1) * row, mask=has_hi[:, None], other=0.0)
+              - tl.load(at + (lo - 1) * row, mask=has_lo[:, None], other=0.0))
+    at = P + bh * NC * row + BM * BV + feats
+    sums = tl.load(at + (hi - 1) * row, mask=has_hi, other=0.0) - tl.load(at + (lo - 1) * row, mask=has_lo, other=0.0)
+    return states, sums
+
+
+@triton.jit
 def _band_tile(K, V, C, MASK, b, h, rows_q, key_block, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb,
                stride_vh, stride_vn, stride_vd, stride_mb, w, root, N, D, DV, M, log_m_half, CAUSAL: tl.constexpr,
                HAS_MASK: tl.constexpr, EPS: tl.constexpr, HALF: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
@@ -126,13 +140,13 @@ def _query_block(Q, G, DELTA, b, h, bh, rows, stride_qb, stride_qh, stride_qn, s
 
 @triton.jit
 def nprf_key_states_kernel(
-    K, V, W, MASK, ROOT, S, Z,
+    K, V, W, MASK, ROOT, S,
     stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, stride_mb,
     H, N, D, DV, M, NC, log_m_half,
     HAS_MASK: tl.constexpr, W_PER_HEAD: tl.constexpr, EPS: tl.constexpr, HALF: tl.constexpr,
     BT: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr,
 ):
-    """Per key block: S = phi_k^T v [BM, BV] and Z = sum_j phi_k [BM] (padded keys count in neither)."""
+    """Per key block: S = [phi_k^T v [BM, BV] | sum_j phi_k [BM]] (padded keys count in neither)."""
     block, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     rows = block * BT + tl.arange(0, BT)
@@ -141,15 +155,14 @@ def nprf_key_states_kernel(
     phi, _, _, v, _ = _key_block(K, V, MASK, b, h, rows, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb,
                                  stride_vh, stride_vn, stride_vd, stride_mb, w, root, N, D, DV, M, log_m_half,
                                  HAS_MASK, EPS, HALF, BD, BV)
-    state = _dot(tl.trans(phi), v, HALF)
-    offset = (bh * NC + block) * BM
-    tl.store(S + (offset + feats[:, None]) * BV + cols_v[None, :], state)
-    tl.store(Z + offset + feats, tl.sum(phi, axis=0))
+    row = S + (bh * NC + block) * (BM * (BV + 1))
+    tl.store(row + feats[:, None] * BV + cols_v[None, :], _dot(tl.trans(phi), v, HALF))
+    tl.store(row + BM * BV + feats, tl.sum(phi, axis=0))
 
 
 @triton.jit
 def nprf_forward_kernel(
-    Q, K, V, W, MASK, ROOT, C, P, PZ, O, DEN,
+    Q, K, V, W, MASK, ROOT, C, P, O, DEN,
     stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_mb,
     H, N, D, DV, M, NC, REACH, log_m_half,
@@ -160,7 +173,7 @@ def nprf_forward_kernel(
     block, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     rows_q = block * BT + tl.arange(0, BT)
-    cols_d, cols_v, feats = tl.arange(0, BD), tl.arange(0, BV), tl.arange(0, BM)
+    cols_d, cols_v = tl.arange(0, BD), tl.arange(0, BV)
     w, root = _projection(W, ROOT, h, M, D, W_PER_HEAD, BM, BD)
     q = _load_rows(Q + b * stride_qb + h * stride_qh, rows_q, N, cols_d, D, stride_qn, stride_qd)
     phi_q, _, _ = _features(q, w, root, M, log_m_half, EPS, HALF)
@@ -169,16 +182,14 @@ def nprf_forward_kernel(
     hi = tl.minimum(block + REACH, NC - 1)
     if CAUSAL:  # (a statement, not a conditional expression: the form every Triton version compiles)
         hi = block
-    states = P + bh * (NC + 1) * BM * BV + feats[:, None] * BV + cols_v[None, :]
-    sums = PZ + bh * (NC + 1) * BM + feats
     # far keys before the band: the prefix of the blocks before `lo`, weight c_{-(n-1)}
     c_before = tl.load(c_row)
-    numerator = c_before * _dot(phi_q, tl.load(states + lo * BM * BV), HALF)
-    denominator = c_before * tl.sum(phi_q * tl.load(sums + lo * BM)[None, :], axis=1)
+    before, before_sum = _blocks(P, bh, 0, lo, NC, BM, BV)
+    numerator = c_before * _dot(phi_q, before, HALF)
+    denominator = c_before * tl.sum(phi_q * before_sum[None, :], axis=1)
     if not CAUSAL:  # far keys after the band: the total minus the prefix through `hi`, weight c_{n-1}
         c_after = tl.load(c_row + 2 * N - 2)
-        after = tl.load(states + NC * BM * BV) - tl.load(states + (hi + 1) * BM * BV)
-        after_sum = tl.load(sums + NC * BM) - tl.load(sums + (hi + 1) * BM)
+        after, after_sum = _blocks(P, bh, hi + 1, NC, NC, BM, BV)
         numerator += c_after * _dot(phi_q, after, HALF)
         denominator += c_after * tl.sum(phi_q * after_sum[None, :], axis=1)
     for key_block in range(lo, hi + 1):
@@ -197,29 +208,35 @@ def nprf_forward_kernel(
 
 @triton.jit
 def nprf_query_states_kernel(
-    Q, G, DELTA, W, ROOT, S, Z,
-    stride_qb, stride_qh, stride_qn, stride_qd,
+    Q, DO, O, DEN, G, DELTA, W, ROOT, S,
+    stride_qb, stride_qh, stride_qn, stride_qd, stride_ob, stride_oh, stride_on, stride_od,
     H, N, D, DV, M, NC, log_m_half,
     W_PER_HEAD: tl.constexpr, EPS: tl.constexpr, HALF: tl.constexpr,
     BT: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr,
 ):
-    """Per query block (backward): S = phi_q^T g [BM, BV] and Z = phi_q^T delta [BM]; G [B, H, N, DV] and
-    DELTA [B, H, N] contiguous fp32."""
+    """Per query block (backward): g = dz / den and delta = -g . z from DO (strided) and forward's O, DEN, stored
+    to G [B, H, N, DV], DELTA [B, H, N] (fp32, for the gradient kernels), and S = [phi_q^T g | phi_q^T delta]."""
     block, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     rows = block * BT + tl.arange(0, BT)
-    cols_v, feats = tl.arange(0, BV), tl.arange(0, BM)
+    cols_d, cols_v, feats = tl.arange(0, BD), tl.arange(0, BV), tl.arange(0, BM)
     w, root = _projection(W, ROOT, h, M, D, W_PER_HEAD, BM, BD)
-    phi, _, _, g, delta = _query_block(Q, G, DELTA, b, h, bh, rows, stride_qb, stride_qh, stride_qn, stride_qd, w, root,
-                                       N, D, DV, M, log_m_half, EPS, HALF, BD, BV)
-    offset = (bh * NC + block) * BM
-    tl.store(S + (offset + feats[:, None]) * BV + cols_v[None, :], _dot(tl.trans(phi), g, HALF))
-    tl.store(Z + offset + feats, tl.sum(phi * delta[:, None], axis=0))
+    q = _load_rows(Q + b * stride_qb + h * stride_qh, rows, N, cols_d, D, stride_qn, stride_qd)
+    phi, _, _ = _features(q, w, root, M, log_m_half, EPS, HALF)
+    den = tl.load(DEN + bh * N + rows, mask=rows < N, other=0.0)
+    dz = _load_rows(DO + b * stride_ob + h * stride_oh, rows, N, cols_v, DV, stride_on, stride_od)
+    g = tl.where(den[:, None] > 0, dz / tl.where(den > 0, den, 1.0)[:, None], 0.0)  # no key: z = 0 whatever dz
+    delta = -tl.sum(g * _load_rows(O + bh * N * DV, rows, N, cols_v, DV, DV, 1), axis=1)
+    tl.store(G + (bh * N + rows[:, None]) * DV + cols_v[None, :], g, mask=(rows[:, None] < N) & (cols_v[None, :] < DV))
+    tl.store(DELTA + bh * N + rows, delta, mask=rows < N)
+    row = S + (bh * NC + block) * (BM * (BV + 1))
+    tl.store(row + feats[:, None] * BV + cols_v[None, :], _dot(tl.trans(phi), g, HALF))
+    tl.store(row + BM * BV + feats, tl.sum(phi * delta[:, None], axis=0))
 
 
 @triton.jit
 def nprf_query_grad_kernel(
-    Q, K, V, W, MASK, ROOT, C, P, PZ, G, DELTA, DQ, DC, DROOT,
+    Q, K, V, W, MASK, ROOT, C, P, G, DELTA, DQ, DC, DROOT,
     stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_mb,
     H, N, D, DV, M, NC, REACH, log_m_half,
@@ -230,8 +247,7 @@ def nprf_query_grad_kernel(
     band, per direction for the far blocks) and the logit scale's (d root, atomically per head)."""
     block, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
-    rows_q = block * BT + tl.arange(0, BT)
-    cols_d, cols_v, feats = tl.arange(0, BD), tl.arange(0, BV), tl.arange(0, BM)
+    rows_q, cols_d = block * BT + tl.arange(0, BT), tl.arange(0, BD)
     w, root = _projection(W, ROOT, h, M, D, W_PER_HEAD, BM, BD)
     phi_q, y, inverse, g, delta = _query_block(Q, G, DELTA, b, h, bh, rows_q, stride_qb, stride_qh, stride_qn,
                                                stride_qd, w, root, N, D, DV, M, log_m_half, EPS, HALF, BD, BV)
@@ -241,17 +257,15 @@ def nprf_query_grad_kernel(
     hi = tl.minimum(block + REACH, NC - 1)
     if CAUSAL:
         hi = block
-    states = P + bh * (NC + 1) * BM * BV + feats[:, None] * BV + cols_v[None, :]
-    sums = PZ + bh * (NC + 1) * BM + feats
     # far: dphi_q = c (S g + Z delta), and dc = sum_i phi_q . (S g + Z delta)
-    far = _dot(g, tl.trans(tl.load(states + lo * BM * BV)), HALF) + delta[:, None] * tl.load(sums + lo * BM)[None, :]
+    before, before_sum = _blocks(P, bh, 0, lo, NC, BM, BV)
+    far = _dot(g, tl.trans(before), HALF) + delta[:, None] * before_sum[None, :]
     c_before = tl.load(c_row)
     dphi = c_before * far
     if NEED_DC:
         tl.atomic_add(dc_row, tl.sum(tl.sum(phi_q * far, axis=1), axis=0))
     if not CAUSAL:
-        after = tl.load(states + NC * BM * BV) - tl.load(states + (hi + 1) * BM * BV)
-        after_sum = tl.load(sums + NC * BM) - tl.load(sums + (hi + 1) * BM)
+        after, after_sum = _blocks(P, bh, hi + 1, NC, NC, BM, BV)
         far = _dot(g, tl.trans(after), HALF) + delta[:, None] * after_sum[None, :]
         dphi += tl.load(c_row + 2 * N - 2) * far
         if NEED_DC:
@@ -272,7 +286,7 @@ def nprf_query_grad_kernel(
 
 @triton.jit
 def nprf_key_grad_kernel(
-    Q, K, V, W, MASK, ROOT, C, QP, QPZ, G, DELTA, DK, DV_OUT, DROOT,
+    Q, K, V, W, MASK, ROOT, C, QP, G, DELTA, DK, DV_OUT, DROOT,
     stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd, stride_mb,
     H, N, D, DV, M, NC, REACH, log_m_half,
@@ -280,11 +294,11 @@ def nprf_key_grad_kernel(
     BT: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr,
 ):
     """Per key block: dk (through phi_k and the normalization), dv, and d root (atomically per head), from the
-    query states QP, QPZ (prefix sums of `nprf_query_states_kernel`) and the band's query blocks."""
+    query states QP (prefix sums of `nprf_query_states_kernel`) and the band's query blocks."""
     block, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     rows_k = block * BT + tl.arange(0, BT)
-    cols_d, cols_v, feats = tl.arange(0, BD), tl.arange(0, BV), tl.arange(0, BM)
+    cols_d, cols_v = tl.arange(0, BD), tl.arange(0, BV)
     w, root = _projection(W, ROOT, h, M, D, W_PER_HEAD, BM, BD)
     phi_k, y, inverse, v, keep = _key_block(K, V, MASK, b, h, rows_k, stride_kb, stride_kh, stride_kn, stride_kd,
                                             stride_vb, stride_vh, stride_vn, stride_vd, stride_mb, w, root, N, D, DV,
@@ -294,19 +308,16 @@ def nprf_key_grad_kernel(
     if CAUSAL:
         lo = block
     hi = tl.minimum(block + REACH, NC - 1)
-    states = QP + bh * (NC + 1) * BM * BV + feats[:, None] * BV + cols_v[None, :]
-    sums = QPZ + bh * (NC + 1) * BM + feats
     # far queries after the band read these keys with c_{-(n-1)}: dv = c S^T phi_k, dphi_k = c (S v + Z)
-    after = tl.load(states + NC * BM * BV) - tl.load(states + (hi + 1) * BM * BV)
-    after_sum = tl.load(sums + NC * BM) - tl.load(sums + (hi + 1) * BM)
+    after, after_sum = _blocks(QP, bh, hi + 1, NC, NC, BM, BV)
     c_before = tl.load(c_row)
     dv = c_before * _dot(phi_k, after, HALF)
     dphi = c_before * (_dot(v, tl.trans(after), HALF) + after_sum[None, :])
     if not CAUSAL:  # far queries before the band, with c_{n-1}
         c_after = tl.load(c_row + 2 * N - 2)
-        before = tl.load(states + lo * BM * BV)
+        before, before_sum = _blocks(QP, bh, 0, lo, NC, BM, BV)
         dv += c_after * _dot(phi_k, before, HALF)
-        dphi += c_after * (_dot(v, tl.trans(before), HALF) + tl.load(sums + lo * BM)[None, :])
+        dphi += c_after * (_dot(v, tl.trans(before), HALF) + before_sum[None, :])
     for query_block in range(lo, hi + 1):
         rows_q = query_block * BT + tl.arange(0, BT)
         phi_q, _, _, g, delta = _query_block(Q, G, DELTA, b, h, bh, rows_q, stride_qb, stride_qh, stride_qn,

@@ -116,6 +116,24 @@ def test_half_precision_inputs():
     assert relative_error(grad_q, want) < 5e-2
 
 
+def test_strided_grads_and_masks_of_any_dtype_are_read_as_they_are():
+    """A transposed grad_out (as a model's) and a key padding mask in bool, int8 or float 0/1 (the kernels read the
+    first two as they are and convert the third) give the gradients of a contiguous grad_out and an int64 mask."""
+    generator = torch.Generator().manual_seed(13)
+    n, width = 20, 4
+    q, k, v, table, projection, mask = inputs(2, 2, n, 16, 16, width, generator)
+    bias = tied_table_bias(table, n, width).detach()
+    grad_out = torch.randn(2, n, 2, 16, generator=generator).transpose(1, 2)  # [B, H, n, d_v], not contiguous
+    grads = []
+    for key_mask, grad in ((mask.long(), grad_out.contiguous()), (mask, grad_out), (mask.to(torch.int8), grad_out),
+                           (mask.float(), grad_out)):
+        out = nprf_triton.triton_attention(q, k, v, bias, projection, key_mask, None, width + 1, False, block=16)
+        grads.append(torch.autograd.grad(out, (q, k, v), grad))
+    for got in grads[1:]:
+        for a, b in zip(got, grads[0]):
+            assert torch.equal(a, b)
+
+
 def test_unfused_terms_fall_back_with_one_log_line(caplog):
     """A segment bias is not fused: algorithm="triton" gives the PyTorch result and says so once."""
     generator = torch.Generator().manual_seed(11)
