@@ -197,7 +197,8 @@ def attention_forward(
     from .nprf_triton_kernels import nprf_forward_kernel, nprf_key_states_kernel
 
     s, common, sizes, log_m_half, grid = _launch(query, value, projection, block, num_warps)
-    projection, c, root = (t.float().contiguous() for t in (projection, c, root))
+    # (the projection in its own dtype: the kernels convert it as they load it)
+    projection, c, root = projection.contiguous(), c.float().contiguous(), root.float().contiguous()
     mask, stride_mb, has_mask = _mask_arg(key_padding_mask, query)
     prefix = _block_states(query, s)
     nprf_key_states_kernel[grid](
@@ -235,7 +236,7 @@ def attention_backward(
     from .nprf_triton_kernels import nprf_key_grad_kernel, nprf_query_grad_kernel, nprf_query_states_kernel
 
     s, common, sizes, log_m_half, grid = _launch(query, value, projection, block, num_warps)
-    projection, c, root = (t.float().contiguous() for t in (projection, c, root))
+    projection, c, root = projection.contiguous(), c.float().contiguous(), root.float().contiguous()
     # (the kernels index these as laid out by forward: contiguous, whatever a compiler passes)
     out, denominator, prefix = (t.contiguous() for t in (out, denominator, prefix))
     mask, stride_mb, has_mask = _mask_arg(key_padding_mask, query)
@@ -321,7 +322,7 @@ def decode_step(
     out = torch.empty(batch, heads, 1, dv, device=query.device, dtype=query.dtype)
     new_state = [torch.empty_like(t) for t in (far_states, ring_features, ring_values)]
     nprf_decode_kernel[(batch * heads,)](
-        query, key, value, mask, projection.float().contiguous(), root.float().contiguous(), c.float().contiguous(),
+        query, key, value, mask, projection.contiguous(), root.float().contiguous(), c.float().contiguous(),
         far_states, ring_features, ring_values, out, *new_state,
         query.stride(0), query.stride(1), query.stride(3), key.stride(0), key.stride(1), key.stride(3),
         value.stride(0), value.stride(1), value.stride(3),

@@ -114,6 +114,13 @@ def test_half_precision_inputs():
     grad_q = torch.autograd.grad(out.float().square().sum(), q)[0]
     want = torch.autograd.grad(ref.square().sum(), q)[0]
     assert relative_error(grad_q, want) < 5e-2
+    # a bf16 projection (a model cast to bf16), which the kernels read as it is: as its fp32 copy, forward and backward
+    results = []
+    for p in (projection.bfloat16(), projection.bfloat16().float()):
+        out = Fn.nprf_attention(q, k, v, bias, p, mask, algorithm="triton", band_width=width + 1)
+        results.append((out, *torch.autograd.grad(out.float().square().sum(), (q, k, v))))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
 
 
 def test_strided_grads_and_masks_of_any_dtype_are_read_as_they_are():
