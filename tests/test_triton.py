@@ -141,14 +141,17 @@ def test_strided_grads_and_masks_of_any_dtype_are_read_as_they_are():
             assert torch.equal(a, b)
 
 
+def segment_case(seed, n=24, width=5):
+    """Inputs of two sequences of n tokens (a bias tied beyond `width`, padding) with a segment bias, a term the
+    kernels do not fuse: (q, k, v, bias, projection, mask, segment ids, segment bias, width)."""
+    q, k, v, table, projection, mask = inputs(2, 2, n, 16, 16, width, torch.Generator().manual_seed(seed))
+    segments = (torch.arange(n) >= n // 2).long().expand(2, n)
+    return q, k, v, tied_table_bias(table, n, width).detach(), projection, mask, segments, torch.tensor([0.5, -1.0]), width
+
+
 def test_unfused_terms_fall_back_with_one_log_line(caplog):
     """A segment bias is not fused: algorithm="triton" gives the PyTorch result and says so once."""
-    generator = torch.Generator().manual_seed(11)
-    n, width = 24, 5
-    q, k, v, table, projection, mask = inputs(2, 2, n, 16, 16, width, generator)
-    bias = tied_table_bias(table, n, width).detach()
-    segments = (torch.arange(n) >= n // 2).long().expand(2, n)
-    beta = torch.tensor([0.5, -1.0])
+    q, k, v, bias, projection, mask, segments, beta, _ = segment_case(11)
     nprf_triton._told.clear()
     with caplog.at_level(logging.WARNING, logger="nprf_hf.nprf_triton"):
         for _ in range(2):
@@ -170,19 +173,26 @@ def test_triton_on_the_cpu_without_the_interpreter_is_a_clear_error(monkeypatch)
     Fn.nprf_attention(q, k, v, tied_table_bias(table, 8, 2), projection, algorithm="auto")
 
 
+def tiny_model_case(cls):
+    """A one-layer tiny NPRF RoBERTa of class `cls` (seeded), ids [2, 40] and an attention mask padding the second
+    sequence's last 9 tokens."""
+    from nprf_hf import NPRFRobertaConfig
+
+    config = NPRFRobertaConfig(**tiny_nprf_config(num_hidden_layers=1), is_decoder=cls.__name__.endswith("CausalLM"))
+    torch.manual_seed(0)
+    model = cls(config)
+    attention_mask = torch.ones(2, 40, dtype=torch.long)
+    attention_mask[1, 31:] = 0
+    return model, torch.randint(3, 99, (2, 40)), attention_mask
+
+
 @pytest.mark.parametrize("decoder", [False, True])
 def test_a_model_trains_through_the_kernels(decoder):
     """A tiny RoBERTa (encoder, and decoder) with attention_algorithm="triton": logits and every parameter's
     gradient (the shared RPE table's included) equal those of "banded"."""
-    from nprf_hf import NPRFRobertaConfig, NPRFRobertaForCausalLM, NPRFRobertaForMaskedLM
+    from nprf_hf import NPRFRobertaForCausalLM, NPRFRobertaForMaskedLM
 
-    cls = NPRFRobertaForCausalLM if decoder else NPRFRobertaForMaskedLM
-    config = NPRFRobertaConfig(**tiny_nprf_config(num_hidden_layers=1), is_decoder=decoder)
-    torch.manual_seed(0)
-    model = cls(config)
-    ids = torch.randint(3, 99, (2, 40))
-    attention_mask = torch.ones(2, 40, dtype=torch.long)
-    attention_mask[1, 31:] = 0
+    model, ids, attention_mask = tiny_model_case(NPRFRobertaForCausalLM if decoder else NPRFRobertaForMaskedLM)
     results = {}
     for algorithm in ("banded", "triton"):
         model.config.attention_algorithm = algorithm  # the layers read the shared config at every call
@@ -375,12 +385,7 @@ def test_compiled_auto_falls_back_without_a_graph_break(monkeypatch, caplog):
     monkeypatch.setattr(nprf_triton, "_disabled", [])
     monkeypatch.setattr(nprf_triton, "_told", set())
     monkeypatch.setattr(nprf_triton, "_probed", {})
-    generator = torch.Generator().manual_seed(13)
-    n, width = 24, 5
-    q, k, v, table, projection, mask = inputs(2, 2, n, 16, 16, width, generator)
-    bias = tied_table_bias(table, n, width).detach()
-    segments = (torch.arange(n) >= n // 2).long().expand(2, n)
-    beta = torch.tensor([0.5, -1.0])
+    q, k, v, bias, projection, mask, segments, beta, width = segment_case(13)
 
     def attention(q, k, v, **terms):
         return Fn.nprf_attention(q, k, v, bias, projection, mask, band_width=width + 1, **terms)
@@ -409,16 +414,11 @@ def test_compiled_auto_runs_the_kernels_in_a_model(monkeypatch):
     compiled decode step runs the decode op."""
     from torch._dynamo.testing import AotEagerAndRecordGraphs
 
-    from nprf_hf import NPRFRobertaConfig, NPRFRobertaForCausalLM, nprf_dispatch, nprf_recurrent
+    from nprf_hf import NPRFRobertaForCausalLM, nprf_dispatch, nprf_recurrent
     from nprf_hf.nprf_terms import AttentionTerms
 
     torch._dynamo.reset()
-    config = NPRFRobertaConfig(**tiny_nprf_config(num_hidden_layers=1), is_decoder=True)
-    torch.manual_seed(0)
-    model = NPRFRobertaForCausalLM(config)
-    ids = torch.randint(3, 99, (2, 40))
-    attention_mask = torch.ones(2, 40, dtype=torch.long)
-    attention_mask[1, 31:] = 0
+    model, ids, attention_mask = tiny_model_case(NPRFRobertaForCausalLM)
     model.zero_grad()
     eager = model(input_ids=ids, attention_mask=attention_mask).logits  # "auto" on the CPU: PyTorch's algorithms
     eager.square().mean().backward()
