@@ -398,6 +398,25 @@ def test_gpu_benchmark_runs_every_part_through_the_interpreter(tmp_path):
     assert refused.returncode != 0 and "TRITON_INTERPRET=1" in refused.stderr and "Traceback" not in refused.stderr
 
 
+
+def test_kernel_host_ops_counts_the_operators_around_stubbed_kernels():
+    """benchmarks/kernel_host_ops.py: the kernels stubbed, each call launches exactly its kernels (2 forward, 5
+    forward + backward, 1 decode step) and every PyTorch operator around them is counted and timed."""
+    import re
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    done = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "kernel_host_ops.py"), "--repeats", "3",
+                           "--dtype", "bfloat16", "--mask", "--verbose"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = dict(re.findall(r"^([a-z +]+): (\d+ launch-like operators, \d+ NPRF kernel launches.*)$", done.stdout, re.M))
+    assert set(rows) == {"forward", "forward + backward", "decode step"}
+    counts = {label: [int(x) for x in re.findall(r"(\d+) ", row)[:2]] for label, row in rows.items()}
+    assert [counts[label][1] for label in ("forward", "forward + backward", "decode step")] == [2, 5, 1]
+    assert counts["forward + backward"][0] > counts["forward"][0] > 0  # backward's operators are counted too
+    assert all(float(re.search(r"host (\d+) us", row).group(1)) > 0 for row in rows.values())
+
 # ---- --busy-cores (issue 45): every timing benchmark times its points quiet, then busy, in the same run ----------
 
 

@@ -1,0 +1,137 @@
+"""What a GPU waits for around the Triton kernels, measured on any machine (issue 43): the PyTorch operators of one
+`nprf_attention(..., algorithm="triton")` call and their host time, with the kernels stubbed out.
+
+Below 16,384 tokens the kernels' calls were host-bound on an H200 (RESULTS, "On a GPU"): every operator around the
+kernels is a launch and some microseconds of Python. This counts them under Triton's interpreter (TRITON_INTERPRET=1,
+set here) with every kernel replaced by a stub that only counts its launches: ATen operators that write memory
+("launch-like": a kernel on a GPU), allocations and views apart, inside the kernels' custom ops too; and the median
+host time per call at a tiny shape on one thread. A proxy: no GPU time is measured, and the band-width check that
+`nprf_dispatch.resolve_algorithm` makes on CPU tensors only (skipped for the kernels on CUDA) is stubbed out.
+
+    python benchmarks/kernel_host_ops.py [--dtype bfloat16] [--mask] [--repeats 300] [--verbose]
+"""
+
+import argparse
+import collections
+import os
+import statistics
+import time
+
+os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported: CPU tensors reach the kernels' wrappers
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_leaves  # noqa: E402
+
+from nprf_hf import functional as Fn  # noqa: E402
+from nprf_hf import nprf_dispatch, nprf_triton, nprf_triton_kernels  # noqa: E402
+
+
+class KernelStub:
+    """A kernel whose launch `kernel[grid](...)` only counts itself."""
+
+    def __init__(self, name, launches):
+        self.name, self.launches = name, launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.update([self.name])
+
+
+class CountOperators(TorchDispatchMode):
+    """ATen operators by kind: "launch" (writes memory), "alloc" (empty*), "view" (returns its input's storage
+    unwritten); a custom op of the kernels is entered and its operators counted."""
+
+    def __init__(self, ops):
+        super().__init__()
+        self.ops = ops
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if func.namespace != "aten":  # the kernels' custom op: run its Python implementation, counting inside
+            with CountOperators(self.ops):
+                return getattr(nprf_triton, name)._init_fn(*args, **kwargs)
+        out = func(*args, **kwargs)
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if name.startswith(("empty", "new_empty")):
+            kind = "alloc"
+        elif outputs and all(t.untyped_storage().data_ptr() in inputs for t in outputs) and all(
+            r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns
+        ):
+            kind = "view"
+        else:
+            kind = "launch"
+        self.ops[kind, name] += 1
+        return out
+
+
+def calls(dtype, masked, batch=1, heads=2, n=64, d=16, m=16, width=8):
+    """{label: a no-argument call}: the public function forward and forward + backward, and the decode step."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(batch, heads, n, d, generator=g, dtype=dtype).requires_grad_() for _ in range(3))
+    table = torch.randn(heads, 2 * width + 1, generator=g).requires_grad_()
+    index = torch.arange(-(n - 1), n).clamp(-width, width) + width
+    projection = Fn.draw_projection(m, d, num_heads=heads, generator=g).to(dtype)
+    grad = torch.randn(batch, heads, n, d, generator=g, dtype=dtype)
+    mask = None
+    if masked:
+        mask = torch.ones(batch, n, dtype=torch.bool)
+        mask[:, -5:] = False
+    state = (torch.rand(batch, heads, m, d + 1, generator=g), torch.rand(batch, heads, width - 1, m, generator=g),
+             torch.rand(batch, heads, width - 1, d + 1, generator=g))
+    c = torch.rand(heads, width + 1, generator=g)
+    token = [torch.randn(batch, heads, 1, d, generator=g, dtype=dtype) for _ in range(3)]
+
+    def forward():
+        return Fn.nprf_attention(q, k, v, table[:, index], projection, mask, algorithm="triton", band_width=width + 1)
+
+    def forward_backward():
+        forward().backward(grad)
+
+    def decode():
+        with torch.no_grad():
+            step_mask = None if mask is None else mask[:, :1]
+            return nprf_triton.triton_decode_step(*token, step_mask, state, c, projection, None)
+
+    return {"forward": forward, "forward + backward": forward_backward, "decode step": decode}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--mask", action="store_true", help="a key padding mask (bool)")
+    parser.add_argument("--repeats", type=int, default=300, help="calls timed per row (median)")
+    parser.add_argument("--verbose", action="store_true", help="list the launch-like operators")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    launches = collections.Counter()
+    for name in dir(nprf_triton_kernels):
+        if name.startswith("nprf_") and name.endswith("_kernel"):
+            setattr(nprf_triton_kernels, name, KernelStub(name, launches))
+    nprf_dispatch.infer_band_width = lambda bias, n: 0  # the CPU-only check (see the docstring)
+    print(f"# {args.dtype}, mask: {args.mask}; B=1 H=2 n=64 d=m=16, one thread; kernels stubbed (TRITON_INTERPRET=1)")
+    for label, call in calls(getattr(torch, args.dtype), args.mask).items():
+        for _ in range(10):
+            call()
+        launches.clear()
+        ops = collections.Counter()
+        with CountOperators(ops):
+            call()
+        kernels = sum(launches.values())
+        kinds = collections.Counter()
+        for (kind, _), count in ops.items():
+            kinds[kind] += count
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - start)
+        print(f"{label}: {kinds['launch']} launch-like operators, {kernels} NPRF kernel launches, "
+              f"{kinds['alloc']} allocations, {kinds['view']} views; host {statistics.median(times) * 1e6:.0f} us")
+        if args.verbose:
+            print("    " + ", ".join(f"{name} x{n}" for (kind, name), n in ops.most_common() if kind == "launch"))
+
+
+if __name__ == "__main__":
+    main()
