@@ -183,3 +183,36 @@ def test_a_second_backward_is_a_clear_error(split_everything):
     out.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="already back-propagated"):
         out.sum().backward()
+
+
+def test_a_model_splits_its_attention_and_trains_the_same(split_everything):
+    """A tiny NPRF BERT with the pair terms (segment bias, word matching, logit scale), padded: logits and every
+    parameter's gradient are those of the same model with nothing split, and every layer's call was split."""
+    from conftest import tiny_nprf_config
+
+    from nprf_hf import NPRFBertConfig, NPRFBertForMaskedLM
+
+    config = NPRFBertConfig(**tiny_nprf_config(num_hidden_layers=2, logit_scale_max=4.0, segment_bias=True,
+                                               token_match=True))
+    torch.manual_seed(0)
+    model = NPRFBertForMaskedLM(config).double()
+    ids = torch.randint(3, 99, (3, 40))
+    types = (torch.arange(40) >= 17).long().repeat(3, 1)
+    mask = torch.ones(3, 40, dtype=torch.long)
+    mask[1, 29:] = 0
+
+    def logits_and_gradients():
+        model.zero_grad()
+        logits = model(input_ids=ids, token_type_ids=types, attention_mask=mask).logits
+        logits.square().mean().backward()
+        return [logits.detach()] + [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    split = logits_and_gradients()
+    # a split per layer forward and another backward
+    assert len(split_everything) == 2 * config.num_hidden_layers and min(split_everything) >= 2
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(nprf_cpu_split, "SPLIT_MIN_ELEMENTS", 1 << 62)
+        whole = logits_and_gradients()
+    assert len(split) == len(whole) > 10
+    for a, b in zip(split, whole):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
