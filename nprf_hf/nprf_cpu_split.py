@@ -22,13 +22,13 @@ from .nprf_cpu_threads import parallel_items, parallel_slots
 from .nprf_positions import masked_bias
 
 
-# Calls smaller than this many elements of features and values (B x H x n x (m + d_v)) run as one item: below it the
-# Python of a few items costs about what the split saves (a MiniLM layer at 8 x 128 is 1.2M).
+# Calls smaller than this many elements of features and values (B x H x n x (m + d_v)), or of shorter sequences, run
+# as one item: there each item's Python (and the products' per-sequence loops, which every item repeats) costs more
+# than the split saves. Measured on 2 threads (H = 12, d = 32, m = 64), split / whole: at 32 x 128 1.15x quiet forward
+# and 1.25x training (busy: 1.0x and 0.43x); at 8 x 512 0.71x and 0.99x quiet, 0.84x and 0.66x busy; at 1 x 4,096
+# 0.85x and 1.0x quiet, 0.5-0.7x busy.
 SPLIT_MIN_ELEMENTS = 1 << 20
-# Under autograd, only calls of sequences at least this long are split: at 8 x 512 (H = 12, d = 32, m = 64; 2 threads)
-# a split training call took 1.16-1.21x the unsplit one's time quiet (each item's graph and backward cost more than
-# its share), equal at 4,096 tokens, while busy the split took 0.6-0.7x at both.
-SPLIT_MIN_LENGTH_UNDER_AUTOGRAD = 2048
+SPLIT_MIN_LENGTH = 512
 # Items per thread: more than one, so that a thread the OS parks takes fewer of them and the others the rest (quiet,
 # each item more costs time: at 8 x 512 inference 2 per thread were as fast as 1, 3 and 4 slower).
 ITEMS_PER_THREAD = 2
@@ -57,20 +57,20 @@ def attention_in_items(call, route, run):
 
 def split_items(call, route):
     """[(rows, heads)] slices covering the call, or None where it runs as one item: another backend, one thread,
-    a small call, under autograd a short one, a key padding mask that wants a gradient, or saved-tensor hooks on
+    a small call or short sequences, a key padding mask that wants a gradient, or under autograd saved-tensor hooks on
     this thread (activation checkpointing or offloading: an item's graph, kept by the autograd Function, would
     escape them)."""
     query, value = call.query, call.value
     batch, heads, n, _ = query.shape
-    if route.backend != "torch" or batch * heads * n * (call.projection.shape[-2] + value.shape[-1]) < SPLIT_MIN_ELEMENTS:
+    if route.backend != "torch" or n < SPLIT_MIN_LENGTH or (
+        batch * heads * n * (call.projection.shape[-2] + value.shape[-1]) < SPLIT_MIN_ELEMENTS
+    ):
         return None
     threads = parallel_slots(batch * heads, query.device)
     mask = call.key_padding_mask
     if threads == 1 or (mask is not None and mask.requires_grad):
         return None
-    if _needs_grad(call) and (
-        n < SPLIT_MIN_LENGTH_UNDER_AUTOGRAD or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
-    ):
+    if _needs_grad(call) and torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
         return None
     return items_of(batch, heads, threads * ITEMS_PER_THREAD)
 
@@ -85,11 +85,12 @@ def _needs_grad(call):
 
 
 def items_of(batch, heads, count):
-    """About `count` (rows, heads) slices covering [batch, heads]: groups of whole sequences where there are at least
-    `count` sequences, else each sequence's heads in groups."""
-    if batch >= count:
-        return [(rows, slice(None)) for rows in _cuts(batch, count)]
-    return [(slice(row, row + 1), cut) for row in range(batch) for cut in _cuts(heads, -(-count // batch))]
+    """About `count` (rows, heads) slices covering [batch, heads]: groups of heads over all sequences where there are
+    at least `count` heads (what an item computes per head, its Toeplitz coefficients, is then computed once), else
+    every head on its own over groups of sequences."""
+    head_cuts = _cuts(heads, count)
+    row_cuts = _cuts(batch, -(-count // len(head_cuts)))
+    return [(rows, cut) for rows in row_cuts for cut in head_cuts]
 
 
 def _cuts(size, count):

@@ -23,7 +23,7 @@ BAND = 9  # the bias is tied beyond |r| = 8: the banded algorithm has a band and
 def split_everything(monkeypatch, two_threads):
     """Every call split, however small, and the number of items of each split call recorded."""
     monkeypatch.setattr(nprf_cpu_split, "SPLIT_MIN_ELEMENTS", 0)
-    monkeypatch.setattr(nprf_cpu_split, "SPLIT_MIN_LENGTH_UNDER_AUTOGRAD", 0)
+    monkeypatch.setattr(nprf_cpu_split, "SPLIT_MIN_LENGTH", 0)
     counts = []
     run = nprf_cpu_split.parallel_items
 
@@ -150,28 +150,38 @@ def test_inference_is_split_and_equal(split_everything):
 
 
 def test_what_is_not_split(monkeypatch, split_everything):
-    """Short sequences under autograd, calls under saved-tensor hooks (activation checkpointing) and calls below the
-    size run whole; the same short call without autograd is split; one thread splits nothing."""
-    monkeypatch.setattr(nprf_cpu_split, "SPLIT_MIN_LENGTH_UNDER_AUTOGRAD", 64)
+    """Short sequences (with or without autograd), calls under saved-tensor hooks (activation checkpointing) and
+    calls below the size run whole, and equal; the same calls split once the limits allow; one thread splits nothing."""
     inputs, terms = case(2, 3, n=37)
-    expected = attend(inputs, terms, (), False, "auto")
-    assert split_everything == []
-    with torch.no_grad():
-        attend(inputs, terms, (), False, "auto")
-    assert split_everything == [4]
-    del split_everything[:]
-    monkeypatch.setattr(nprf_cpu_split, "SPLIT_MIN_LENGTH_UNDER_AUTOGRAD", 0)
     q, k, v, bias, projection, mask = inputs
-    out = checkpoint(lambda *t: Fn.nprf_attention(*t, key_padding_mask=mask, band_width=BAND), q, k, v, bias,
-                     projection, use_reentrant=False)
-    out.sum().backward()
-    assert split_everything == [], "split under checkpointing's saved-tensor hooks"
-    torch.testing.assert_close(out, expected)
-    monkeypatch.setattr(nprf_cpu_split, "SPLIT_MIN_ELEMENTS", 10 ** 9)
+
+    def checkpointed():
+        out = checkpoint(lambda *t: Fn.nprf_attention(*t, key_padding_mask=mask, band_width=BAND), q, k, v, bias,
+                         projection, use_reentrant=False)
+        out.sum().backward()
+        return out
+
+    expected = attend(inputs, terms, (), False, "auto")
+    assert split_everything, "the call was not split"
+    del split_everything[:]
+    monkeypatch.setattr(nprf_cpu_split, "SPLIT_MIN_LENGTH", 38)
+    torch.testing.assert_close(attend(inputs, terms, (), False, "auto"), expected)
     with torch.no_grad():
         attend(inputs, terms, (), False, "auto")
+    assert split_everything == [], "short sequences split"
+    monkeypatch.setattr(nprf_cpu_split, "SPLIT_MIN_LENGTH", 37)
+    torch.testing.assert_close(checkpointed(), expected)
+    assert split_everything == [], "split under checkpointing's saved-tensor hooks"
+    monkeypatch.setattr(nprf_cpu_split, "SPLIT_MIN_ELEMENTS", 2 * 3 * 37 * (6 + 8) + 1)
+    with torch.no_grad():
+        attend(inputs, terms, (), False, "auto")
+    assert split_everything == [], "a call below the size split"
+    monkeypatch.setattr(nprf_cpu_split, "SPLIT_MIN_ELEMENTS", 2 * 3 * 37 * (6 + 8))
+    with torch.no_grad():
+        attend(inputs, terms, (), False, "auto")
+    assert split_everything, "the limits are not what they say"
+    del split_everything[:]
     torch.set_num_threads(1)
-    monkeypatch.setattr(nprf_cpu_split, "SPLIT_MIN_ELEMENTS", 0)
     with torch.no_grad():
         attend(inputs, terms, (), False, "auto")
     assert split_everything == []
