@@ -57,9 +57,9 @@ def attention_in_items(call, route, run):
 
 def split_items(call, route):
     """[(rows, heads)] slices covering the call, or None where it runs as one item: another backend, one thread,
-    a small call or short sequences, a key padding mask that wants a gradient, or under autograd saved-tensor hooks on
-    this thread (activation checkpointing or offloading: an item's graph, kept by the autograd Function, would
-    escape them)."""
+    a small call or short sequences, a key padding mask that wants a gradient, or under autograd the lean banded
+    mode or saved-tensor hooks on this thread (activation checkpointing or offloading: an item's graph, kept by the
+    autograd Function, would escape them)."""
     query, value = call.query, call.value
     batch, heads, n, _ = query.shape
     if route.backend != "torch" or n < SPLIT_MIN_LENGTH or (
@@ -70,7 +70,11 @@ def split_items(call, route):
     mask = call.key_padding_mask
     if threads == 1 or (mask is not None and mask.requires_grad):
         return None
-    if _needs_grad(call) and torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+    # Under autograd not the lean "recompute" mode, chosen to save memory: its Function keeps each item's output for
+    # backward, a second copy of the call's output per layer; nor under saved-tensor hooks (see the docstring).
+    if _needs_grad(call) and (
+        route.mode == "recompute" or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    ):
         return None
     return items_of(batch, heads, threads * ITEMS_PER_THREAD)
 
@@ -109,6 +113,13 @@ def _item_call(call, parts, rows):
     )
 
 
+def _root(z):
+    """Where an item's backward starts: z's gradient edge where this torch has them, so that z itself (a copy of
+    the output's part) is freed after forward unless its own graph keeps it; else z."""
+    get_edge = getattr(torch.autograd.graph, "get_gradient_edge", None)
+    return z if get_edge is None else get_edge(z)
+
+
 def _cut(tensor, rows, cut, index):
     """The part of input `index` (in `attention_in_items`' order) an item reads: q, k, v [B, H, ...] by rows and
     heads, the rest [H, ...] by heads, a shared [m, d] projection whole."""
@@ -135,7 +146,7 @@ class _ItemsAttention(torch.autograd.Function):
             with torch.enable_grad():
                 z = run(_item_call(call, leaves, rows), route)
             out[rows, cut] = z.detach()
-            graphs[index] = (z, leaves)
+            graphs[index] = (_root(z), leaves)
 
         parallel_items(len(items), item, query.device)
         ctx.graphs, ctx.items, ctx.inputs = graphs, items, [(t.shape, t.dtype) for t in tensors]
@@ -158,10 +169,10 @@ class _ItemsAttention(torch.autograd.Function):
 
         def item(index, slot):
             rows, cut = items[index]
-            z, leaves = graphs[index]
+            root, leaves = graphs[index]
             graphs[index] = None
             inputs = [leaf for leaf, want in zip(leaves, wanted) if want]
-            found = iter(torch.autograd.grad(z, inputs, grad_out[rows, cut], allow_unused=True))
+            found = iter(torch.autograd.grad(root, inputs, grad_out[rows, cut], allow_unused=True))
             grads[index] = [next(found) if want else None for want in wanted]
             for i, total in enumerate(out[:3]):
                 if total is not None:

@@ -118,8 +118,8 @@ def test_a_split_call_equals_the_reference_and_the_whole_call(split_everything, 
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 def test_gradients_equal_the_reference_through_each_execution_mode(split_everything):
-    """The lean banded mode, fft and dense under activation checkpointing (recompute=True), split: gradients against
-    the float64 reference's, with padding and the pair terms."""
+    """banded, fft and dense under activation checkpointing (recompute=True with the pair terms, whose trained
+    segment bias reads the product's value), split: gradients against the float64 reference's, with padding."""
     names = TERM_SETS["pair"]
     inputs, terms = case(2, 3, seed=3)
     expected = reference_values_and_gradients(inputs, terms, names, False)
@@ -150,8 +150,9 @@ def test_inference_is_split_and_equal(split_everything):
 
 
 def test_what_is_not_split(monkeypatch, split_everything):
-    """Short sequences (with or without autograd), calls under saved-tensor hooks (activation checkpointing) and
-    calls below the size run whole, and equal; the same calls split once the limits allow; one thread splits nothing."""
+    """Short sequences (with or without autograd), calls under saved-tensor hooks (activation checkpointing), the
+    lean banded mode under autograd and calls below the size run whole, and equal; the same calls split once the
+    limits allow or without autograd; one thread splits nothing."""
     inputs, terms = case(2, 3, n=37)
     q, k, v, bias, projection, mask = inputs
 
@@ -172,6 +173,13 @@ def test_what_is_not_split(monkeypatch, split_everything):
     monkeypatch.setattr(nprf_cpu_split, "SPLIT_MIN_LENGTH", 37)
     torch.testing.assert_close(checkpointed(), expected)
     assert split_everything == [], "split under checkpointing's saved-tensor hooks"
+    lean = attend(inputs, terms, ("logit_scale",), False, "banded", recompute=True)
+    assert type(lean.grad_fn).__name__ == "_KeptOutputAttentionBackward", "not the lean mode"
+    assert split_everything == [], "the lean mode (it keeps its output) split under autograd"
+    with torch.no_grad():
+        torch.testing.assert_close(attend(inputs, terms, ("logit_scale",), False, "banded", recompute=True), lean)
+    assert split_everything, "the same call without autograd not split"
+    del split_everything[:]
     monkeypatch.setattr(nprf_cpu_split, "SPLIT_MIN_ELEMENTS", 2 * 3 * 37 * (6 + 8) + 1)
     with torch.no_grad():
         attend(inputs, terms, (), False, "auto")
