@@ -4,12 +4,12 @@
 Why (issue 45): PyTorch splits every CPU operator over its threads, so one attention call is a few hundred parallel
 regions (the feature map's and the division's elementwise operators, the products, their autograd backward), and
 each region's barrier waits for a thread the OS may have parked behind another process: on a shared core NPRF lost
-2-3x more time than SDPA, whose fused kernel is a single region. Here a call is cut into items along the batch (or,
-for few sequences, along the heads), and whichever of the threads is free computes an item entirely (features,
-Toeplitz product, terms, division) with single-threaded operators (`nprf_cpu_threads.parallel_items`): one
-region per call, and a descheduled thread simply takes fewer items. Under autograd each item keeps its own graph
-and the backward runs the items' graphs the same way. An item of one sequence's few heads also keeps its [n, m]
-features in the core's cache.
+2-3x more time than SDPA, whose fused kernel is a single region. Here a call is cut into items of a few heads (over
+all its sequences, or with fewer heads than items over groups of them), and whichever of the threads is free computes
+an item entirely (features, Toeplitz product, terms, division) with single-threaded operators
+(`nprf_cpu_threads.parallel_items`): one region per call, and a descheduled thread simply takes fewer items. Under
+autograd each item keeps its own graph and the backward runs the items' graphs the same way. An item of a few heads
+also keeps its [n, m] features in the core's cache.
 
 Exact: every item is the same math on its own rows and heads; gradients of tensors shared by items (the bias
 table, a shared projection, the terms' parameters) are summed in the items' order, the same on every run.
@@ -72,11 +72,15 @@ def split_items(call, route):
         return None
     # Under autograd not the lean "recompute" mode, chosen to save memory: its Function keeps each item's output for
     # backward, a second copy of the call's output per layer; nor under saved-tensor hooks (see the docstring).
-    if _needs_grad(call) and (
-        route.mode == "recompute" or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
-    ):
+    if _needs_grad(call) and (route.mode == "recompute" or _saved_tensor_hooks_active()):
         return None
     return items_of(batch, heads, threads * ITEMS_PER_THREAD)
+
+
+def _saved_tensor_hooks_active():
+    """Whether saved-tensor hooks are set on this thread (True where this torch cannot say)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is None or top(False) is not None
 
 
 def _inputs(call):
