@@ -379,7 +379,8 @@ def plot(results, path):
     plt.close(fig)
 
 
-PARTS = ("attention", "model", "decode", "compiled")
+# name -> the part, in the order they run and `--budget-s` lists them
+PARTS = {"attention": attention_part, "model": model_part, "decode": decode_part, "compiled": compiled_part}
 # Seconds each part may start new points for, 490 s in all, the rest of a 10-minute call for the points started last
 # and the start-up (the eager parts took 65 s in all on an H200 with --quick; the compiled part's points are mostly
 # its four compiles each, and it starts a point only while the time left covers the last one's).
@@ -427,7 +428,6 @@ def main(argv=None):
     def log(line):
         print(f"[{time.perf_counter() - started:6.1f} s] {line}", flush=True)
 
-    parts = {"attention": attention_part, "model": model_part, "decode": decode_part, "compiled": compiled_part}
     budgets = dict(zip(PARTS, args.budget_s))
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     from nprf_hf import nprf_triton
@@ -435,7 +435,7 @@ def main(argv=None):
     for part in args.parts:
         _deadline[0] = time.perf_counter() + budgets[part]
         try:
-            results[part] = parts[part](sizes, device, dtype, log)
+            results[part] = PARTS[part](sizes, device, dtype, log)
         except Exception as error:  # noqa: BLE001  (one device call: keep the other parts' numbers)
             results[f"{part}_error"] = f"{type(error).__name__}: {error}"[:2000]
             log(f"{part} failed: {results[f'{part}_error'][:500]}")

@@ -37,11 +37,12 @@ ITEMS_PER_THREAD = 2
 def attention_in_items(call, route, run):
     """`run(call, route)` (z [B, H, n, d_v] of an `nprf_dispatch.AttentionCall`), cut into items computed on the CPU
     threads where that pays (`split_items`), else as it is."""
-    items = split_items(call, route)
+    tensors = _inputs(call)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    items = split_items(call, route, needs_grad)
     if items is None:
         return run(call, route)
-    tensors = _inputs(call)
-    if _needs_grad(call):
+    if needs_grad:
         return _ItemsAttention.apply(call, route, run, items, *tensors)
     batch, heads, n, _ = call.query.shape
     out = call.query.new_empty(batch, heads, n, call.value.shape[-1])
@@ -55,10 +56,10 @@ def attention_in_items(call, route, run):
     return out
 
 
-def split_items(call, route):
+def split_items(call, route, needs_grad):
     """[(rows, heads)] slices covering the call, or None where it runs as one item: another backend, one thread,
-    a small call or short sequences, a key padding mask that wants a gradient, or under autograd the lean banded
-    mode or saved-tensor hooks on this thread (activation checkpointing or offloading: an item's graph, kept by the
+    a small call or short sequences, a key padding mask that wants a gradient, or under autograd (`needs_grad`:
+    a gradient flows to one of the call's tensors) the lean banded mode or saved-tensor hooks on this thread (activation checkpointing or offloading: an item's graph, kept by the
     autograd Function, would escape them)."""
     query, value = call.query, call.value
     batch, heads, n, _ = query.shape
@@ -72,7 +73,7 @@ def split_items(call, route):
         return None
     # Under autograd not the lean "recompute" mode, chosen to save memory: its Function keeps each item's output for
     # backward, a second copy of the call's output per layer; nor under saved-tensor hooks (see the docstring).
-    if _needs_grad(call) and (route.mode == "recompute" or _saved_tensor_hooks_active()):
+    if needs_grad and (route.mode == "recompute" or _saved_tensor_hooks_active()):
         return None
     return items_of(batch, heads, threads * ITEMS_PER_THREAD)
 
@@ -86,10 +87,6 @@ def _saved_tensor_hooks_active():
 def _inputs(call):
     """The call's tensors a gradient may flow to, in the order `_cut` and `_item_call` read them."""
     return (call.query, call.key, call.value, call.rpe_bias, call.projection, *call.terms.tensors())
-
-
-def _needs_grad(call):
-    return torch.is_grad_enabled() and any(t.requires_grad for t in _inputs(call))
 
 
 def items_of(batch, heads, count):

@@ -218,10 +218,9 @@ def attention_forward(
 
 @attention_forward.register_fake
 def _(query, key, value, c, root, projection, key_padding_mask, causal, reach, block, num_warps):
-    (batch, heads, n, _), m, dv = query.shape, projection.shape[-2], value.shape[-1]
-    return (query.new_empty(batch, heads, n, dv, dtype=value.dtype),
-            query.new_empty(batch, heads, n, dtype=torch.float32),
-            query.new_empty(batch * heads, -(-n // block), _block_size(m) * (_block_size(dv) + 1), dtype=torch.float32))
+    s = _launch(query, value, projection, block, num_warps)[0]
+    return (query.new_empty(s["batch"], s["heads"], s["n"], s["dv"], dtype=value.dtype),
+            query.new_empty(s["batch"], s["heads"], s["n"], dtype=torch.float32), _block_states(query, s))
 
 
 @torch.library.custom_op(f"{_LIBRARY}::attention_backward", mutates_args=())
