@@ -1,16 +1,19 @@
 """The GPU benchmark of issue 43, in one run that fits one device loan (about 8 minutes on an H100):
 
-1. attention alone (B = 1, H = 12, d = 64, m = 64, T5's default buckets), forward and forward + backward, the
+1. a check of the kernels on the device against the float64 reference (values and gradients, fp32 and bf16,
+   padding, causal; the decode step), so that nothing wrong is timed;
+2. attention alone (B = 1, H = 12, d = 64, m = 64, T5's default buckets), forward and forward + backward, the
    Triton kernels (`algorithm="triton"`) against SDPA (its flash kernel in bf16), 1,024 to 65,536 tokens, with the
-   kernels' achieved TFLOP/s and the share of the device's nominal bf16 peak;
-2. a whole RoBERTa-base-sized masked LM (12 layers, 768 wide; NPRF with `attention_algorithm="auto"`, which is the
+   kernels' achieved TFLOP/s and the share of the device's nominal bf16 peak, and each call replayed from a CUDA
+   graph (the device's time alone: what is left when no Python launches the kernels);
+3. a whole RoBERTa-base-sized masked LM (12 layers, 768 wide; NPRF with `attention_algorithm="auto"`, which is the
    kernels on CUDA) against the same model with SDPA softmax: forward and training step (forward, loss, backward)
    at 32 x 128, 8 x 512, 1 x 4,096 and 1 x 16,384, with peak memory;
-3. decoding, time per token at 512 and 8,192 tokens of context, batch 1 and 16: the NPRF decoder's constant-size
-   cache against softmax's growing one;
-4. the model of 2, both `torch.compile`d (inductor, mode="reduce-overhead": CUDA graphs, no Python per kernel launch;
+4. the model of 3, both `torch.compile`d (inductor, mode="reduce-overhead": CUDA graphs, no Python per kernel launch;
    the kernels are custom ops, traced without a graph break): training step and forward at 32 x 128, 8 x 512 and
-   1 x 4,096, with each compile's time and the graph breaks dynamo counted.
+   1 x 4,096, with each compile's time and the graph breaks dynamo counted;
+5. decoding, time per token at 512 and 8,192 tokens of context, batch 1 and 16: the NPRF decoder's constant-size
+   cache against softmax's growing one.
 
 Every NPRF time sits beside the softmax time of the same point, measured in the same process. Writes JSON (the
 device named) and a plot:
@@ -46,7 +49,7 @@ FULL = dict(lengths=(1024, 2048, 4096, 8192, 16384, 32768, 65536), heads=12, hea
             tiles=((32, 4), (64, 8), (128, 8)),  # besides the default (64 rows, 4 warps)
             # the launch-bound points (eager NPRF 1.64-1.79x SDPA's training step there); inductor with CUDA graphs
             compiled_points=((32, 128), (8, 512), (1, 4096)), compile_backend="inductor",
-            compile_mode="reduce-overhead")
+            compile_mode="reduce-overhead", check_lengths=(1000,), check_batch=2, graphed=True)
 # the same at fewer points and repeats: for a device loan with only a few minutes left
 QUICK = dict(FULL, lengths=(1024, 4096, 16384, 65536), repeats=5, tiles=((32, 4),), decode_batches=(1, 16),
              decode_steps=16)
@@ -55,7 +58,8 @@ TINY = dict(lengths=(40, 72), heads=2, head_dim=16, features=16, model_points=((
             algorithm="triton", tiles=((16, 4), (32, 4)),
             # aot_eager: dynamo and AOTAutograd (what decides graph breaks and the backward graph) without inductor's
             # code generation (minutes of C++ compiles on 2 cores)
-            compiled_points=((2, 24), (1, 40)), compile_backend="aot_eager", compile_mode=None)
+            compiled_points=((2, 24), (1, 40)), compile_backend="aot_eager", compile_mode=None, check_lengths=(45,),
+            check_batch=2, graphed=False)
 
 
 def synchronize(device):
@@ -86,6 +90,37 @@ def peak_bytes(fn, device):
     fn()
     synchronize(device)
     return torch.cuda.max_memory_allocated(device) - before
+
+
+def graphed_time(fn, device, repeats):
+    """Seconds per call of `fn` captured once in a CUDA graph and replayed `5 x repeats` times back to back: the
+    device's time alone, no Python and no launches (what a model step under CUDA graphs pays). None off CUDA or where
+    the capture fails (its error logged by the caller)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.set_sync_debug_mode("error")  # a call that waits for the device cannot be captured: say so before
+    try:
+        fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # warm-ups off the capturing stream, as torch.cuda.graph asks
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(5 * repeats):
+        graph.replay()
+    synchronize(device)
+    seconds = (time.perf_counter() - start) / (5 * repeats)
+    del graph
+    return seconds
 
 
 def attention_flops(n, s, train):
@@ -131,6 +166,15 @@ def attention_part(s, device, dtype, log):
                 row[f"{name}_forward_s"] = median_time(fn, device, s["repeats"])
             row[f"{name}_train_s"] = median_time(lambda: fn().backward(grad), device, s["repeats"])
             row[f"{name}_train_peak_bytes"] = peak_bytes(lambda: fn().backward(grad), device)
+            if s["graphed"]:
+                try:
+                    with torch.no_grad():
+                        row[f"{name}_forward_graphed_s"] = graphed_time(fn, device, s["repeats"])
+                    row[f"{name}_train_graphed_s"] = graphed_time(lambda: fn().backward(grad), device, s["repeats"])
+                except Exception as error:  # noqa: BLE001  (one device call: keep the eager numbers)
+                    row[f"{name}_graphed_error"] = f"{type(error).__name__}: {error}"[:1000]
+                    log(f"graphed {name} n={n} failed: {row[f'{name}_graphed_error'][:300]}")
+                q.grad = k.grad = v.grad = None
         # the other tiles (rows per block, warps), for the next choice of the default
         row["tiles"] = {}
         for block, warps in s["tiles"]:
@@ -150,7 +194,81 @@ def attention_part(s, device, dtype, log):
         best = min(row["tiles"].items(), key=lambda item: item[1]["train_s"], default=(None, None))[0]
         log(f"attention n={n} (fastest other tile {best}): forward NPRF {row['nprf_forward_s'] * 1e3:.2f} ms, SDPA {row['sdpa_forward_s'] * 1e3:.2f} ms "
             f"({row['speedup_forward']:.2f}x); fwd+bwd {row['nprf_train_s'] * 1e3:.2f} / {row['sdpa_train_s'] * 1e3:.2f} ms "
-            f"({row['speedup_train']:.2f}x); NPRF {row['nprf_train_tflops']:.1f} TFLOP/s")
+            f"({row['speedup_train']:.2f}x); NPRF {row['nprf_train_tflops']:.1f} TFLOP/s; in CUDA graphs (device time) "
+            f"NPRF / SDPA forward {_ms(row.get('nprf_forward_graphed_s'))} / {_ms(row.get('sdpa_forward_graphed_s'))}, "
+            f"fwd+bwd {_ms(row.get('nprf_train_graphed_s'))} / {_ms(row.get('sdpa_train_graphed_s'))} ms")
+    return rows
+
+
+def _ms(seconds):
+    return "-" if seconds is None else f"{seconds * 1e3:.3f}"
+
+
+def check_part(s, device, dtype, log):
+    """The compiled kernels on the device against the float64 reference before anything is timed (the suite checks
+    the same code under Triton's interpreter, at toy sizes): relative errors of the output and of the gradients of
+    q, k, v and the bias table, fp32 and bf16, bidirectional and causal, with left and right key padding, at lengths
+    off the block; and the decode kernel's output and new state against `recurrent_attention`."""
+    from nprf_hf import functional as Fn
+    from nprf_hf import nprf_recurrent
+    from nprf_hf.nprf_features import normalize_attention, normalized_features
+    from nprf_hf.nprf_naive import naive_attention
+    from nprf_hf.nprf_triton import triton_attention, triton_decode_step
+
+    def error(a, b):
+        return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+    heads, d, m, batch = s["heads"], s["head_dim"], s["features"], s["check_batch"]
+    width = Fn.rpe_band_width()
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    # fp32: the kernels' products in exact fp32 (input_precision="ieee"); half: bf16 operands, fp32 sums
+    for in_dtype, bound in ((torch.float32, 1e-4), (dtype, 5e-2)):
+        for n in s["check_lengths"]:
+            for causal in (False, True):
+                q, k, v = (torch.randn(batch, heads, n, d, generator=generator).to(device) for _ in range(3))
+                table = (torch.randn(heads, 32, generator=generator) * 0.5).to(device).requires_grad_(True)
+                projection = Fn.draw_projection(m, d, generator=generator).to(device)
+                mask = torch.ones(batch, n, dtype=torch.bool, device=device)
+                mask[-1, n - n // 3:] = False
+                mask[0, :2] = False
+                grad_out = torch.randn(batch, heads, n, d, generator=generator).to(device)
+                leaves = [t.to(in_dtype).requires_grad_(True) for t in (q, k, v)]
+                out = triton_attention(*leaves, Fn.relative_position_bias(table, n), projection, mask, None, width,
+                                       causal)
+                got = torch.autograd.grad(out, (*leaves, table), grad_out.to(out.dtype))
+                wide = [t.double().requires_grad_(True) for t in (q, k, v)]
+                table64 = table.detach().double().requires_grad_(True)
+                ref = naive_attention(*wide, Fn.relative_position_bias(table64, n), projection.double(), mask, causal)
+                want = torch.autograd.grad(ref, (*wide, table64), grad_out.double())
+                row = {"dtype": str(in_dtype).replace("torch.", ""), "n": n, "causal": causal, "out": error(out, ref)}
+                row.update({f"d{name}": error(a, b) for name, a, b in zip(("q", "k", "v", "table"), got, want)})
+                row["ok"] = all(value < bound for key, value in row.items() if key in ("out", "dq", "dk", "dv",
+                                                                                         "dtable"))
+                rows.append(row)
+                log(f"check {row['dtype']} n={n} causal={causal}: relative errors " + ", ".join(
+                    f"{key} {row[key]:.1e}" for key in ("out", "dq", "dk", "dv", "dtable")) +
+                    ("" if row["ok"] else f"  ABOVE {bound:g}"))
+    # the decode step: one token against a random state, in fp32
+    ring = width - 1
+    q, k, v = (torch.randn(batch, heads, 1, d, generator=generator).to(device) for _ in range(3))
+    projection = Fn.draw_projection(m, d, num_heads=heads, generator=generator).to(device)
+    state = [torch.rand(*shape, generator=generator).to(device) for shape in (
+        (batch, heads, m, d + 1), (batch, heads, ring, m), (batch, heads, ring, d + 1))]
+    state[2][..., -1] = 1.0
+    c = torch.rand(heads, ring + 2, generator=generator).to(device)
+    new_mask = torch.ones(batch, 1, dtype=torch.bool, device=device)
+    new_mask[-1] = False
+    out, new_state = triton_decode_step(q, k, v, new_mask, state, c, projection, None)
+    phi_q, phi_k = (normalized_features(x, projection) for x in (q, k))
+    sums, *want = nprf_recurrent.recurrent_attention(phi_q, phi_k * new_mask[:, None, :, None],
+                                                     torch.cat([v, torch.ones_like(v[..., :1])], -1), *state, c)
+    row = {"decode": True, "out": error(out, normalize_attention(sums[..., :-1], sums[..., -1:])),
+           "state": max(error(a, b) for a, b in zip(new_state, want))}
+    row["ok"] = row["out"] < 1e-4 and row["state"] < 1e-4
+    rows.append(row)
+    log(f"check decode step: relative errors out {row['out']:.1e}, state {row['state']:.1e}"
+        + ("" if row["ok"] else "  ABOVE 1e-4"))
     return rows
 
 
@@ -379,12 +497,12 @@ def plot(results, path):
     plt.close(fig)
 
 
-# name -> the part, in the order they run and `--budget-s` lists them
-PARTS = {"attention": attention_part, "model": model_part, "decode": decode_part, "compiled": compiled_part}
-# Seconds each part may start new points for, 490 s in all, the rest of a 10-minute call for the points started last
-# and the start-up (the eager parts took 65 s in all on an H200 with --quick; the compiled part's points are mostly
-# its four compiles each, and it starts a point only while the time left covers the last one's).
-BUDGETS_S = (150.0, 100.0, 60.0, 180.0)
+# name -> (the part, the seconds it may start new points for), in the order they run: 490 s of points in all, the
+# rest of a 10-minute call for the points started last, the start-up and the profile (the eager parts took 65 s in all
+# on an H200 with --quick; the compiled part's points are mostly their four compiles each, and it starts a point only
+# while the time left covers the last one's; the check has no points to skip)
+PARTS = {"check": (check_part, 0.0), "attention": (attention_part, 130.0), "model": (model_part, 70.0),
+         "compiled": (compiled_part, 200.0), "decode": (decode_part, 40.0)}
 
 
 def parse_args(argv=None):
@@ -394,13 +512,21 @@ def parse_args(argv=None):
     parser.add_argument("--quick", action="store_true", help="fewer lengths, repeats and tiles (a short device loan)")
     parser.add_argument("--profile", action="store_true", help="also profile the shortest points (a .txt beside the JSON)")
     parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS))
-    parser.add_argument("--budget-s", nargs="+", type=float, default=list(BUDGETS_S), metavar="S",
-                        help="seconds each part may start new points for, in the order ATTENTION MODEL DECODE "
-                        f"[COMPILED] (default {' '.join(map(str, BUDGETS_S))}: the whole run fits one 10-minute device call)")
+    defaults = " ".join(f"{name}={budget:g}" for name, (_, budget) in PARTS.items() if budget)
+    parser.add_argument("--budget-s", nargs="+", default=[], metavar="PART=S",
+                        help=f"seconds a part may start new points for (default {defaults}: the whole run fits one "
+                        "10-minute device call)")
     args = parser.parse_args(argv)
-    if len(args.budget_s) not in (3, 4):
-        parser.error("--budget-s takes 3 or 4 values (ATTENTION MODEL DECODE [COMPILED])")
-    args.budget_s = [*args.budget_s, *BUDGETS_S[len(args.budget_s):]]
+    budgets = {name: budget for name, (_, budget) in PARTS.items()}
+    for item in args.budget_s:
+        name, _, seconds = item.partition("=")
+        if name not in PARTS:
+            parser.error(f"--budget-s {item!r}: no part {name!r} (the parts: {', '.join(PARTS)})")
+        try:
+            budgets[name] = float(seconds)
+        except ValueError:
+            parser.error(f"--budget-s {item!r}: give PART=SECONDS, e.g. compiled=120")
+    args.budget_s = budgets
     return args
 
 
@@ -428,14 +554,13 @@ def main(argv=None):
     def log(line):
         print(f"[{time.perf_counter() - started:6.1f} s] {line}", flush=True)
 
-    budgets = dict(zip(PARTS, args.budget_s))
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     from nprf_hf import nprf_triton
 
     for part in args.parts:
-        _deadline[0] = time.perf_counter() + budgets[part]
+        _deadline[0] = time.perf_counter() + args.budget_s[part]
         try:
-            results[part] = PARTS[part](sizes, device, dtype, log)
+            results[part] = PARTS[part][0](sizes, device, dtype, log)
         except Exception as error:  # noqa: BLE001  (one device call: keep the other parts' numbers)
             results[f"{part}_error"] = f"{type(error).__name__}: {error}"[:2000]
             log(f"{part} failed: {results[f'{part}_error'][:500]}")
