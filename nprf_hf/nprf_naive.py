@@ -44,7 +44,7 @@ def naive_attention_weights(query, key, rpe_bias, projection=None, key_padding_m
         kernel = torch.exp(q @ k.transpose(-1, -2) / math.sqrt(d))
     else:
         raise ValueError(f"unknown variant {variant!r}")
-    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    i, j = torch.arange(n, device=q.device)[:, None], torch.arange(n, device=q.device)[None, :]
     exponent = bias[:, j - i + n - 1].expand(batch, heads, n, n)
     if segment_ids is not None:
         crossing = (segment_ids[:, :, None] != segment_ids[:, None, :])[:, None]
@@ -56,7 +56,7 @@ def naive_attention_weights(query, key, rpe_bias, projection=None, key_padding_m
         matches = crossing & (token_ids[:, :, None] == token_ids[:, None, :])[:, None]
         position = position + match_weight.double()[:, None, None] * matches
     weights = kernel * position
-    allowed = torch.ones(n, n, dtype=torch.bool)
+    allowed = torch.ones(n, n, dtype=torch.bool, device=q.device)
     if causal:
         allowed = j <= i
     allowed = allowed.expand(batch, 1, n, n)
