@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
 from nprf_hf import functional as Fn  # noqa: E402
-from nprf_hf import nprf_dispatch, nprf_triton, nprf_triton_kernels  # noqa: E402
+from nprf_hf import nprf_dispatch, nprf_triton, nprf_triton_decode, nprf_triton_kernels  # noqa: E402
 
 
 class KernelStub:
@@ -106,9 +106,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     launches = collections.Counter()
-    for name in dir(nprf_triton_kernels):
-        if name.startswith("nprf_") and name.endswith("_kernel"):
-            setattr(nprf_triton_kernels, name, KernelStub(name, launches))
+    for module in (nprf_triton_kernels, nprf_triton_decode):
+        for name in dir(module):
+            if name.startswith("nprf_") and name.endswith("_kernel"):
+                setattr(module, name, KernelStub(name, launches))
     nprf_dispatch.infer_band_width = lambda bias, n: 0  # the CPU-only check (see the docstring)
     print(f"# {args.dtype}, mask: {args.mask}; B=1 H=2 n=64 d=m=16, one thread; kernels stubbed (TRITON_INTERPRET=1)")
     for label, call in calls(getattr(torch, args.dtype), args.mask).items():

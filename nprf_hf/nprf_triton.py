@@ -310,7 +310,7 @@ def decode_step(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`triton_decode_step`'s launch (new_mask None or [B, 1], root [H]): (out, far_states, ring_features,
     ring_values), the new state contiguous."""
-    from .nprf_triton_kernels import nprf_decode_kernel
+    from .nprf_triton_decode import nprf_decode_kernel
 
     batch, heads, _, d = query.shape
     dv, m = value.shape[-1], projection.shape[-2]

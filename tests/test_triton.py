@@ -14,10 +14,11 @@ import torch
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("these tests run the kernels through Triton's interpreter: TRITON_INTERPRET=1", allow_module_level=True)
 pytest.importorskip("triton")
-from nprf_hf import nprf_triton_kernels  # noqa: E402
+from nprf_hf import nprf_triton_decode, nprf_triton_kernels  # noqa: E402
 
 if type(nprf_triton_kernels.nprf_forward_kernel).__name__ != "InterpretedFunction":  # imported before, compiled
     importlib.reload(nprf_triton_kernels)
+    importlib.reload(nprf_triton_decode)
 
 from conftest import tiny_nprf_config  # noqa: E402
 
@@ -217,7 +218,7 @@ def test_remote_code_imports_only_torch_transformers_and_the_standard_library():
 
     folder = os.path.dirname(nprf_triton.__file__)
     files = remote_code_files()
-    assert "nprf_triton.py" in files and "nprf_triton_kernels.py" in files  # the check covers the kernels
+    assert {"nprf_triton.py", "nprf_triton_kernels.py", "nprf_triton_decode.py"} <= set(files)  # and the kernels
     for name in files:
         found = set(get_imports(os.path.join(folder, name)))
         assert found <= {"torch", "transformers"} | set(sys.stdlib_module_names), (name, found)
