@@ -5,7 +5,8 @@
 2. attention alone (B = 1, H = 12, d = 64, m = 64, T5's default buckets), forward and forward + backward, the
    Triton kernels (`algorithm="triton"`) against SDPA (its flash kernel in bf16), 1,024 to 65,536 tokens, with the
    kernels' achieved TFLOP/s and the share of the device's nominal bf16 peak, and each call replayed from a CUDA
-   graph (the device's time alone: what is left when no Python launches the kernels);
+   graph (the device's time alone: what is left when no Python launches the kernels), and forward + backward with
+   the bias table trained (a model's case) by either way of summing its gradient (`nprf_triton.DIAGONAL_SUMS`);
 3. a whole RoBERTa-base-sized masked LM (12 layers, 768 wide; NPRF with `attention_algorithm="auto"`, which is the
    kernels on CUDA) against the same model with SDPA softmax: forward and training step (forward, loss, backward)
    at 32 x 128, 8 x 512, 1 x 4,096 and 1 x 16,384, with peak memory;
@@ -142,6 +143,7 @@ def attention_flops(n, s, train):
 
 def attention_part(s, device, dtype, log):
     from nprf_hf import functional as Fn
+    from nprf_hf import nprf_triton
     from nprf_hf.nprf_triton import triton_attention
 
     rows = []
@@ -191,6 +193,25 @@ def attention_part(s, device, dtype, log):
                     lambda: tiled().backward(grad), device, s["repeats"])}
             except Exception as error:  # noqa: BLE001  (a tile the device cannot hold: the others still count)
                 log(f"tile {block}x{warps} n={n} failed: {type(error).__name__}: {str(error)[:200]}")
+        # the bias table trained, as in a model: its gradient by per-pair atomics (the default) and by diagonal sums
+        row["bias_grad"] = {}
+        trained = table.clone().requires_grad_(True)
+
+        def trained_step():
+            Fn.nprf_attention(q, k, v, Fn.relative_position_bias(trained, n), projection, algorithm="triton",
+                              band_width=width).backward(grad)
+
+        default = nprf_triton.DIAGONAL_SUMS
+        for label, diagonals in (("atomics", False), ("diagonals", True)):
+            nprf_triton.DIAGONAL_SUMS = diagonals
+            try:
+                row["bias_grad"][label] = {"train_s": median_time(trained_step, device, s["repeats"]),
+                                           "train_graphed_s": graphed_time(trained_step, device, s["repeats"])
+                                           if s["graphed"] else None}
+            except Exception as error:  # noqa: BLE001  (one device call: keep the other numbers)
+                log(f"bias gradient by {label} n={n} failed: {type(error).__name__}: {str(error)[:300]}")
+        nprf_triton.DIAGONAL_SUMS = default
+        q.grad = k.grad = v.grad = None
         for mode in ("forward", "train"):
             row[f"speedup_{mode}"] = row[f"sdpa_{mode}_s"] / row[f"nprf_{mode}_s"]
             row[f"nprf_{mode}_tflops"] = attention_flops(n, s, mode == "train") / row[f"nprf_{mode}_s"] / 1e12
@@ -202,7 +223,9 @@ def attention_part(s, device, dtype, log):
             f"({row['speedup_forward']:.2f}x); fwd+bwd {row['nprf_train_s'] * 1e3:.2f} / {row['sdpa_train_s'] * 1e3:.2f} ms "
             f"({row['speedup_train']:.2f}x); NPRF {row['nprf_train_tflops']:.1f} TFLOP/s; in CUDA graphs (device time) "
             f"NPRF / SDPA forward {_ms(row.get('nprf_forward_graphed_s'))} / {_ms(row.get('sdpa_forward_graphed_s'))}, "
-            f"fwd+bwd {_ms(row.get('nprf_train_graphed_s'))} / {_ms(row.get('sdpa_train_graphed_s'))} ms")
+            f"fwd+bwd {_ms(row.get('nprf_train_graphed_s'))} / {_ms(row.get('sdpa_train_graphed_s'))} ms; with the bias "
+            "gradient, fwd+bwd eager (graphed) " + ", ".join(f"{label} {_ms(t['train_s'])} ({_ms(t['train_graphed_s'])})"
+                                                            for label, t in row["bias_grad"].items()) + " ms")
     return rows
 
 

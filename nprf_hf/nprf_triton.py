@@ -154,11 +154,34 @@ def _launch(query, value, projection, block, num_warps):
 
 
 def _dot_precision(query):
-    """The kernels' HALF: fp32 products for fp32 inputs; bf16 operands for half ones (bf16's range: the feature
-    products and g = dz / den can leave fp16's), fp16 under the interpreter (its bf16 dot is wrong in Triton 3.x)."""
-    if query.dtype not in (torch.float16, torch.bfloat16):
-        return 0
-    return 2 if interpreting() else 1
+    """The kernels' HALF: bf16 operands for half inputs (bf16's range: the feature products and g = dz / den can
+    leave fp16's), fp16 under the interpreter (its bf16 dot is wrong in Triton 3.x); for fp32 inputs TF32 operands on
+    a CUDA device where torch allows TF32 matmuls, as its own products, else exact fp32 (FMA loops, not tensor cores:
+    on an H200 their first compile took about 100 s and they run slower)."""
+    if query.dtype in (torch.float16, torch.bfloat16):
+        return 2 if interpreting() else 1
+    return 3 if query.is_cuda and not interpreting() and _tf32_allowed() else 0
+
+
+def _tf32_allowed():
+    """Whether torch's CUDA matmuls may use TF32: `torch.backends.cuda.matmul.fp32_precision = "tf32"` (torch >= 2.9),
+    or the older `allow_tf32` / `torch.set_float32_matmul_precision("high")` (torch refuses to read the one after
+    the other was set)."""
+    matmul = torch.backends.cuda.matmul
+    precision = getattr(matmul, "fp32_precision", None)
+    if precision not in (None, "none"):
+        return precision == "tf32"
+    try:
+        return bool(matmul.allow_tf32)
+    except RuntimeError:
+        return False
+
+
+# The bias gradient of a band tile summed per diagonal in registers, then one atomic add per diagonal, instead of one
+# per pair (`nprf_query_grad_kernel`'s DIAGONALS). Off until measured on a device: on an H200 the per-pair atomics
+# made the query-gradient kernel 0.35 ms a layer in an 8 x 512 training step against 0.09 ms without a bias
+# gradient; the diagonals need Triton's `tl.gather` (3.2+).
+DIAGONAL_SUMS = False
 
 
 def _block_states(query, s):
@@ -232,7 +255,7 @@ def attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv in their inputs' dtypes, dc [H, 2n - 1] (zeros unless `needs_c`), d root [H]) of
     `attention_forward` from what it returned and grad_out [B, H, n, d_v]."""
-    from .nprf_triton_kernels import nprf_key_grad_kernel, nprf_query_grad_kernel, nprf_query_states_kernel
+    from .nprf_triton_kernels import HAS_GATHER, nprf_key_grad_kernel, nprf_query_grad_kernel, nprf_query_states_kernel
 
     s, common, sizes, log_m_half, grid = _launch(query, value, projection, block, num_warps)
     projection, c, root = projection.contiguous(), c.float().contiguous(), root.float().contiguous()
@@ -256,7 +279,8 @@ def attention_backward(
     strides = (*query.stride(), *key.stride(), *value.stride(), stride_mb)
     nprf_query_grad_kernel[grid](
         query, key, value, projection, mask, root, c, prefix, g, delta, dq, dc, droot,
-        *strides, *sizes, reach, log_m_half, CAUSAL=causal, HAS_MASK=has_mask, NEED_DC=needs_c, **common,
+        *strides, *sizes, reach, log_m_half, CAUSAL=causal, HAS_MASK=has_mask, NEED_DC=needs_c,
+        DIAGONALS=DIAGONAL_SUMS and HAS_GATHER, **common,
     )
     nprf_key_grad_kernel[grid](
         query, key, value, projection, mask, root, c, query_prefix, g, delta, dk, dv, droot,

@@ -20,11 +20,16 @@ try:
 except ImportError as error:  # only `nprf_triton` imports this file, after checking that Triton imports
     raise ImportError("the Triton kernels of nprf-hf need the `triton` package: pip install triton") from error
 
+HAS_GATHER = hasattr(tl, "gather")  # (Triton 3.2+) what `_add_diagonals` needs
+
 
 @triton.jit
 def _dot(a, b, HALF: tl.constexpr):
     """a @ b with fp32 accumulation: HALF = 1, bf16 operands on tensor cores (half inputs); 2, fp16 operands (the
-    same under Triton's interpreter, whose bf16 dot is wrong); 0, full fp32."""
+    same under Triton's interpreter, whose bf16 dot is wrong); 3, TF32 operands (fp32 inputs where torch allows TF32
+    matmuls); 0, full fp32."""
+    if HALF == 3:
+        return tl.dot(a, b, input_precision="tf32")
     if HALF == 1:
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
     if HALF == 2:
@@ -139,6 +144,19 @@ def _query_block(Q, G, DELTA, b, h, bh, rows, stride_qb, stride_qh, stride_qn, s
 
 
 @triton.jit
+def _add_diagonals(DC_ROW, pair, offset, N, BT: tl.constexpr):
+    """DC_ROW[r + N - 1] += the sum of pair [BT q, BT k] over its entries (i, j) at r = offset + j - i: the tile's
+    2 BT - 1 diagonal sums, each row's entries gathered into its diagonals' columns, then one atomic add per diagonal
+    (pair by pair, the BT atomics of a diagonal queue on one address)."""
+    t = tl.arange(0, 2 * BT)
+    j = tl.arange(0, BT)[:, None] + t[None, :] - (BT - 1)  # the key column of row i on diagonal t
+    inside = (j >= 0) & (j < BT)
+    sums = tl.sum(tl.where(inside, tl.gather(pair, tl.where(inside, j, 0), axis=1), 0.0), axis=0)
+    r = offset + t - (BT - 1)
+    tl.atomic_add(DC_ROW + r + N - 1, sums, mask=(t < 2 * BT - 1) & (r > -N) & (r < N))
+
+
+@triton.jit
 def nprf_key_states_kernel(
     K, V, W, MASK, ROOT, S,
     stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, stride_mb,
@@ -241,10 +259,12 @@ def nprf_query_grad_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd, stride_mb,
     H, N, D, DV, M, NC, REACH, log_m_half,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, W_PER_HEAD: tl.constexpr, EPS: tl.constexpr, HALF: tl.constexpr,
-    NEED_DC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr,
+    NEED_DC: tl.constexpr, DIAGONALS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr,
+    BM: tl.constexpr,
 ):
-    """Per query block: dq (through phi_q and the normalization), the bias's gradient (atomically, per pair in the
-    band, per direction for the far blocks) and the logit scale's (d root, atomically per head)."""
+    """Per query block: dq (through phi_q and the normalization), the bias's gradient (atomically: in the band per
+    pair, or with DIAGONALS per diagonal of each tile; per direction for the far blocks) and the logit scale's
+    (d root, atomically per head)."""
     block, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     rows_q, cols_d = block * BT + tl.arange(0, BT), tl.arange(0, BD)
@@ -277,8 +297,11 @@ def nprf_query_grad_kernel(
         d_weights = _dot(g, tl.trans(v), HALF) + delta[:, None]
         dphi += _dot(d_weights * c, phi_k, HALF)
         if NEED_DC:
-            kernel = _dot(phi_q, tl.trans(phi_k), HALF)
-            tl.atomic_add(dc_row + relative + N - 1, d_weights * kernel, mask=valid)
+            pair = d_weights * _dot(phi_q, tl.trans(phi_k), HALF)
+            if DIAGONALS:
+                _add_diagonals(dc_row, tl.where(valid, pair, 0.0), (key_block - block) * BT, N, BT)
+            else:
+                tl.atomic_add(dc_row + relative + N - 1, pair, mask=valid)
     dq, droot = _input_grad(dphi, phi_q, y, inverse, w, root, HALF)
     tl.store(DQ + (bh * N + rows_q[:, None]) * D + cols_d[None, :], dq, mask=(rows_q[:, None] < N) & (cols_d[None, :] < D))
     tl.atomic_add(DROOT + h, droot)

@@ -382,6 +382,7 @@ def test_gpu_benchmark_runs_every_part_through_the_interpreter(tmp_path):
     for row in results["attention"]:
         assert row["speedup_train"] == pytest.approx(row["sdpa_train_s"] / row["nprf_train_s"])
         assert row["nprf_train_tflops"] > 0
+        assert all(row["bias_grad"][way]["train_s"] > 0 for way in ("atomics", "diagonals"))  # the A/B of the bias grad
     assert [(r["batch"], r["n"]) for r in results["model"]] == [(2, 24), (1, 40)]
     assert all(r["nprf_over_sdpa_train"] > 0 for r in results["model"])
     assert {(r["batch"], r["context"]) for r in results["decode"]} == {(1, 16), (1, 40), (2, 16), (2, 40)}

@@ -83,6 +83,53 @@ def test_values_and_gradients_match_the_float64_reference(case, causal):
 
 
 @pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[3]])
+def test_the_bias_gradient_by_diagonals_equals_the_reference(case, causal, monkeypatch):
+    """DIAGONAL_SUMS (each band tile's bias gradient summed per diagonal, one atomic add per diagonal): the bias
+    table's gradient equals the float64 reference and the per-pair atomics', at lengths off the block, a band wider
+    than the sequence, and with padding; nothing is written outside a sequence's row (the batch's rows differ)."""
+    if not nprf_triton_kernels.HAS_GATHER:
+        pytest.skip("this Triton has no tl.gather")
+    n, d, m, width, block, per_head = case
+    generator = torch.Generator().manual_seed(11 * n + int(causal))
+    q, k, v, table, projection, mask = inputs(3, 2, n, d, m, width, generator, per_head)
+    grad_out = torch.randn(3, 2, n, d, generator=generator)
+    grads = {}
+    for diagonals in (False, True):
+        monkeypatch.setattr(nprf_triton, "DIAGONAL_SUMS", diagonals)
+        out = nprf_triton.triton_attention(q, k, v, tied_table_bias(table, n, width), projection, mask, None,
+                                           width + 1, causal, block=block)
+        grads[diagonals] = torch.autograd.grad(out, table, grad_out)[0]
+    ref = naive_attention(q, k, v, tied_table_bias(table, n, width), projection, mask, causal)
+    want = torch.autograd.grad(ref, table, grad_out.double())[0]
+    assert relative_error(grads[True], want) < 1e-4
+    assert relative_error(grads[True], grads[False]) < 1e-5
+
+
+def test_fp32_inputs_take_tf32_products_on_cuda_only_where_torch_allows_them(monkeypatch):
+    """The kernels' precision follows torch's: TF32 operands for fp32 inputs on a CUDA device with TF32 matmuls
+    allowed, exact fp32 otherwise; bf16 operands for half inputs."""
+    class Query:
+        dtype, is_cuda = torch.float32, True
+
+    monkeypatch.setattr(nprf_triton, "interpreting", lambda: False)
+    for allowed, want in ((False, 0), (True, 3)):
+        monkeypatch.setattr(nprf_triton, "_tf32_allowed", lambda: allowed)
+        assert nprf_triton._dot_precision(Query()) == want
+    Query.is_cuda = False
+    assert nprf_triton._dot_precision(Query()) == 0
+    Query.dtype = torch.bfloat16
+    assert nprf_triton._dot_precision(Query()) == 1
+    monkeypatch.undo()
+    assert not nprf_triton._tf32_allowed()  # torch's default: "highest"
+    torch.set_float32_matmul_precision("high")
+    try:
+        assert nprf_triton._tf32_allowed()
+    finally:
+        torch.set_float32_matmul_precision("highest")
+
+
+@pytest.mark.parametrize("causal", [False, True])
 def test_the_public_function_runs_the_kernels(causal, monkeypatch):
     """nprf_attention(algorithm="triton") is the kernels (not a fallback), equal to "banded"; rows without keys are
     zeros; the band width is inferred when not given."""
