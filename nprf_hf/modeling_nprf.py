@@ -130,12 +130,13 @@ def split_attention_mask(attention_mask, query_length, key_length, causal, batch
     """
     if attention_mask is None:
         return None, None
-    batch = "batch" if batch_size is None else f"batch={batch_size}"
+    # (the message's text built only for an error: formatting a size would specialize torch.compile's graph on it)
+    batch = lambda: "batch" if batch_size is None else f"batch={batch_size}"  # noqa: E731
     batch_ok = batch_size is None or attention_mask.shape[0] == batch_size
     if attention_mask.dim() == 2:
         if attention_mask.shape[-1] != key_length or not batch_ok:
             raise ValueError(
-                f"2D attention_mask must be [{batch}, key_length={key_length}] (1 = keep), got {tuple(attention_mask.shape)}"
+                f"2D attention_mask must be [{batch()}, key_length={key_length}] (1 = keep), got {tuple(attention_mask.shape)}"
             )
         return attention_mask.bool(), None
     heads = "1" if num_heads is None else f"1 or num_heads={num_heads}"
@@ -146,7 +147,7 @@ def split_attention_mask(attention_mask, query_length, key_length, causal, batch
         or attention_mask.shape[1] not in (1, num_heads or 1)
     ):
         raise ValueError(
-            f"attention_mask must be [{batch}, key_length={key_length}] or [{batch}, {heads}, "
+            f"attention_mask must be [{batch()}, key_length={key_length}] or [{batch()}, {heads}, "
             f"query_length={query_length}, key_length={key_length}], got {tuple(attention_mask.shape)}"
         )
     keep = _mask_to_bool(attention_mask)

@@ -241,3 +241,21 @@ def test_compile_benchmark_reports_eager_compiled_and_fullgraph(tmp_path, capsys
     assert "compile s" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         benchmark.main(["--points", "2x16:softmax"])
+
+
+def test_dynamic_padding_compiles_a_bounded_number_of_graphs():
+    """A Trainer with dynamic padding under `torch.compile` (dynamic=None): after a new length and a new batch size
+    dynamo makes both dimensions symbolic, so later batches of other shapes reuse the graph. Nothing of the model may
+    specialize on the batch size or length (formatting a size into an error message did, once: a graph per batch
+    size, until dynamo's recompile limit sent training back to eager)."""
+    from torch._dynamo.utils import counters
+
+    model = build(NPRFBertForSequenceClassification)
+    compiled = torch.compile(model, backend="aot_eager", dynamic=None)
+    counters.clear()
+    for batch, length in ((2, 80), (2, 96), (3, 88), (4, 72), (5, 100)):
+        logits, loss, grads = training_step(model, inputs(batch, length, labels=True))
+        compiled_logits, compiled_loss, _ = training_step(model, inputs(batch, length, labels=True), compiled)
+        torch.testing.assert_close(compiled_logits, logits, atol=ATOL, rtol=RTOL)
+    assert counters["stats"]["unique_graphs"] <= 3, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
