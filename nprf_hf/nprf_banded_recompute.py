@@ -26,7 +26,7 @@ from .nprf_positions import masked_bias, toeplitz_coefficients
 
 
 def banded_attention_recomputed(query, key, value, bias, projection, key_padding_mask, terms, band_width, causal,
-                                variant):
+                                variant, output_kept_outside=False):
     """z [B, H, n, d_v] of the banded algorithm under autograd, the features rebuilt in backward (arguments as
     `nprf_dispatch.AttentionCall`'s, bias [H, 2n - 1] without the -inf of the future, applied here when causal;
     terms an `AttentionTerms` whose trained tensors do not read the product's value, see
@@ -34,10 +34,14 @@ def banded_attention_recomputed(query, key, value, bias, projection, key_padding
 
     The output is laid out as query (a [B, H, n, d] view of [B, n, H, d] storage, as the models pass it, gives the
     same view): the models' transpose back to [B, n, H * d] is then free, and the output projection keeps for its
-    own backward the very tensor kept here."""
+    own backward the very tensor kept here.
+
+    `output_kept_outside`: z is not kept here; before backward the caller sets the Function's `kept_output` (its
+    grad_fn's attribute) to a tensor equal to z. `nprf_cpu_split` does, for the items of one call: it keeps the one
+    output the call returns, where each item keeping its own z would keep a second copy per layer."""
     dtype = compute_dtype(query.dtype)
     mask = None if key_padding_mask is None else key_padding_mask.to(device=query.device, dtype=dtype)
-    setup = (mask, terms, band_width, causal, variant)
+    setup = (mask, terms, band_width, causal, variant, output_kept_outside)
     return _KeptOutputAttention.apply(setup, query, key, value, bias, projection, *terms.tensors())
 
 
@@ -55,7 +59,7 @@ class _KeptOutputAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, setup, query, key, value, bias, projection, *term_tensors):
-        mask, terms, band_width, causal, variant = setup
+        mask, terms, band_width, causal, variant, output_kept_outside = setup
         dtype = compute_dtype(query.dtype)
         c, shift = toeplitz_coefficients(masked_bias(bias, query.shape[-2], causal))
         phi_q, phi_k = query_key_features(query, key, projection, mask, dtype, terms.logit_scale, variant=variant)
@@ -69,14 +73,20 @@ class _KeptOutputAttention(torch.autograd.Function):
             z = out.new_empty(batch, heads, n, value.shape[-1])
         z = torch.div(out[..., :-1], denominator, out=z).to(query.dtype)
         ctx.setup = setup
-        ctx.save_for_backward(query, key, value, _band(bias, band_width), projection, z, denominator, *term_tensors)
+        kept = None if output_kept_outside else z
+        ctx.save_for_backward(query, key, value, _band(bias, band_width), projection, kept, denominator, *term_tensors)
         return z
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_z):
-        mask, terms, band_width, causal, variant = ctx.setup
+        mask, terms, band_width, causal, variant, output_kept_outside = ctx.setup
         query, key, value, band, projection, z, denominator, *term_tensors = ctx.saved_tensors
+        if output_kept_outside:
+            z, ctx.kept_output = getattr(ctx, "kept_output", None), None
+            if z is None:
+                raise RuntimeError("the lean banded attention was asked not to keep its output, and no caller gave "
+                                   "it back before backward (`kept_output`)")
         bias = _unband(band, query.shape[-2])
         dtype = denominator.dtype
         grad_out = _normalization_backward(grad_z.to(dtype), z.to(dtype), denominator)

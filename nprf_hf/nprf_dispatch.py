@@ -145,6 +145,8 @@ class AttentionCall(NamedTuple):
     variant: str
     band_width: Optional[int]  # as given (None: inferred from the bias)
     recompute: Optional[bool]  # as given
+    # the lean mode keeps its output for backward unless its caller does (`nprf_cpu_split`: one kept output per call)
+    output_kept_outside: bool = False
 
 
 class Route(NamedTuple):
@@ -196,7 +198,8 @@ def _banded(call):
 def _banded_recomputed(call, route):
     # the unmasked bias (the Function masks it itself): a causally masked copy would keep its mask per layer
     return banded_attention_recomputed(call.query, call.key, call.value, call.rpe_bias, call.projection,
-                                       call.key_padding_mask, call.terms, route.band_width, call.causal, call.variant)
+                                       call.key_padding_mask, call.terms, route.band_width, call.causal, call.variant,
+                                       call.output_kept_outside)
 
 
 def _triton(call, route):

@@ -130,6 +130,36 @@ def test_gradients_equal_the_reference_through_each_execution_mode(split_everyth
         for a, b in zip(got, expected):
             torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_lean_mode_split_keeps_one_output(split_everything, causal):
+    """The lean banded mode (recompute=True: the features rebuilt in backward, the output kept), split under autograd:
+    values and gradients equal the reference's and the whole call's, with padding and a logit scale; the items'
+    Functions keep no output of their own (each reads its part of the call's output, which the call keeps once)."""
+    names = ("logit_scale",)
+    inputs, terms = case(3, 4, seed=4 + causal)
+    trims = []
+    with pytest.MonkeyPatch.context() as patch:  # the threads' freed heap memory handed back after forward, backward
+        patch.setattr(nprf_cpu_split, "_MALLOC_TRIM", lambda pad: trims.append(pad))
+        out = attend(inputs, terms, names, causal, "banded", recompute=True)
+        assert split_everything and trims == [0], "the call was not split, or not trimmed after its items"
+        node = out.grad_fn
+        assert type(node).__name__ == "_ItemsAttentionBackward"
+        (kept,) = node.saved_tensors
+        assert kept.data_ptr() == out.data_ptr(), "the call does not keep its output"
+        item_nodes = [graph[2] for graph in node.graphs]
+        assert all(type(n).__name__ == "_KeptOutputAttentionBackward" for n in item_nodes), "the items are not lean"
+        assert all(n.saved_tensors[5] is None for n in item_nodes), "an item keeps its own output"
+        got = _with_gradients(out, inputs, terms, names)
+        assert trims == [0, 0], "not trimmed after backward's items"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(nprf_cpu_split, "SPLIT_MIN_ELEMENTS", 1 << 62)
+        whole = values_and_gradients(inputs, terms, names, causal, "banded", recompute=True)
+    for a, b in zip(got, reference_values_and_gradients(inputs, terms, names, causal)):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
+    for a, b in zip(got, whole):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
 def test_a_split_call_is_the_same_on_every_run(split_everything):
     inputs, terms = case(1, 6, n=64, seed=5)
     first = values_and_gradients(inputs, terms, ("logit_scale",), False, "banded")
@@ -150,9 +180,9 @@ def test_inference_is_split_and_equal(split_everything):
 
 
 def test_what_is_not_split(monkeypatch, split_everything):
-    """Short sequences (with or without autograd), calls under saved-tensor hooks (activation checkpointing), the
-    lean banded mode under autograd and calls below the size run whole, and equal; the same calls split once the
-    limits allow or without autograd; one thread splits nothing."""
+    """Short sequences (with or without autograd), calls under saved-tensor hooks (activation checkpointing) and calls
+    below the size run whole, and equal; the same calls split once the limits allow or without autograd; one thread
+    splits nothing."""
     inputs, terms = case(2, 3, n=37)
     q, k, v, bias, projection, mask = inputs
 
@@ -173,13 +203,6 @@ def test_what_is_not_split(monkeypatch, split_everything):
     monkeypatch.setattr(nprf_cpu_split, "SPLIT_MIN_LENGTH", 37)
     torch.testing.assert_close(checkpointed(), expected)
     assert split_everything == [], "split under checkpointing's saved-tensor hooks"
-    lean = attend(inputs, terms, ("logit_scale",), False, "banded", recompute=True)
-    assert type(lean.grad_fn).__name__ == "_KeptOutputAttentionBackward", "not the lean mode"
-    assert split_everything == [], "the lean mode (it keeps its output) split under autograd"
-    with torch.no_grad():
-        torch.testing.assert_close(attend(inputs, terms, ("logit_scale",), False, "banded", recompute=True), lean)
-    assert split_everything, "the same call without autograd not split"
-    del split_everything[:]
     monkeypatch.setattr(nprf_cpu_split, "SPLIT_MIN_ELEMENTS", 2 * 3 * 37 * (6 + 8) + 1)
     with torch.no_grad():
         attend(inputs, terms, (), False, "auto")
