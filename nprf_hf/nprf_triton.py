@@ -127,8 +127,16 @@ def triton_attention(query, key, value, rpe_bias, projection, key_padding_mask, 
     root = _feature_root(logit_scale, heads, query.device)
     reach = -(-(min(band_width, n) - 1) // block)
     # (the projection is a constant to the kernels: they do not compute its gradient)
-    return attention_forward(query, key, value, c, root, projection.detach(), key_padding_mask, causal, reach, block,
-                             num_warps)[0]
+    forward = _EagerAttention.apply if _plain_eager(query) else attention_forward
+    return forward(query, key, value, c, root, projection.detach(), key_padding_mask, causal, reach, block,
+                   num_warps)[0]
+
+
+def _plain_eager(query):
+    """Whether this call runs eagerly on real tensors: then the ops' implementations are called without the custom
+    ops' dispatch (`_EagerAttention`). Traced (torch.compile, export, opcheck) or under a dispatch mode, the ops."""
+    return (not torch.compiler.is_compiling() and type(query) is torch.Tensor
+            and torch._C._len_torch_dispatch_stack() == 0)
 
 
 def _feature_root(logit_scale, heads, device):
@@ -207,8 +215,7 @@ def _mask_arg(key_padding_mask, query):
 _LIBRARY = _free_library(re.sub(r"\W", "_", __name__), "attention_forward")
 
 
-@torch.library.custom_op(f"{_LIBRARY}::attention_forward", mutates_args=())
-def attention_forward(
+def _attention_forward(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c: torch.Tensor, root: torch.Tensor,
     projection: torch.Tensor, key_padding_mask: Optional[torch.Tensor], causal: bool, reach: int, block: int,
     num_warps: int,
@@ -239,6 +246,9 @@ def attention_forward(
     return out, denominator, prefix
 
 
+attention_forward = torch.library.custom_op(f"{_LIBRARY}::attention_forward", mutates_args=())(_attention_forward)
+
+
 @attention_forward.register_fake
 def _(query, key, value, c, root, projection, key_padding_mask, causal, reach, block, num_warps):
     s = _launch(query, value, projection, block, num_warps)[0]
@@ -246,8 +256,7 @@ def _(query, key, value, c, root, projection, key_padding_mask, causal, reach, b
             query.new_empty(s["batch"], s["heads"], s["n"], dtype=torch.float32), _block_states(query, s))
 
 
-@torch.library.custom_op(f"{_LIBRARY}::attention_backward", mutates_args=())
-def attention_backward(
+def _attention_backward(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c: torch.Tensor, root: torch.Tensor,
     projection: torch.Tensor, key_padding_mask: Optional[torch.Tensor], out: torch.Tensor, denominator: torch.Tensor,
     prefix: torch.Tensor, grad_out: torch.Tensor, causal: bool, reach: int, block: int,
@@ -289,6 +298,9 @@ def attention_backward(
     return dq, dk, dv, dc.sum(0), droot
 
 
+attention_backward = torch.library.custom_op(f"{_LIBRARY}::attention_backward", mutates_args=())(_attention_backward)
+
+
 @attention_backward.register_fake
 def _(query, key, value, c, root, projection, key_padding_mask, out, denominator, prefix, grad_out, causal, reach,
       block, num_warps, needs_c):
@@ -305,13 +317,32 @@ def _keep_for_backward(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # (no zero gradients built for the outputs only backward reads)
 
 
-def _attention_grad(ctx, grad_out, *_):
-    """Gradients of q, k, v, c and root; none for the projection (a constant here) and the mask."""
-    dq, dk, dv, dc, droot = attention_backward(*ctx.saved_tensors, grad_out, *ctx.settings, ctx.needs_input_grad[3])
+def _attention_grad(ctx, grad_out, *_, backward=None):
+    """Gradients of q, k, v, c and root; none for the projection (a constant here) and the mask. `backward`: the
+    backward op (default) or, for `_EagerAttention`, its implementation."""
+    backward = attention_backward if backward is None else backward
+    dq, dk, dv, dc, droot = backward(*ctx.saved_tensors, grad_out, *ctx.settings, ctx.needs_input_grad[3])
     return dq, dk, dv, dc, droot, None, None, None, None, None, None
 
 
 attention_forward.register_autograd(_attention_grad, setup_context=_keep_for_backward)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """`attention_forward` with its autograd outside torch.compile: the same implementations and the same glue
+    without the custom op's dispatch, which cost about 80-120 us of host time per call forward + backward (2 threads
+    of this project's CPU, kernels stubbed): time a GPU waits for below 16,384 tokens, where eager calls are
+    host-bound (RESULTS, "On a GPU")."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _attention_forward(*inputs)
+        _keep_for_backward(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_out, *_):
+        return _attention_grad(ctx, grad_out, backward=_attention_backward)
 
 
 def triton_decode_step(query, key, value, new_mask, state, c, projection, logit_scale):
@@ -321,13 +352,13 @@ def triton_decode_step(query, key, value, new_mask, state, c, projection, logit_
     [B, H, W - 1, m], ring_values [B, H, W - 1, d + 1]) in fp32; c [H, W + 1] exp(bias) by distance, entry W the far
     one. Returns (out [B, H, 1, d] in query's dtype, the new state; the old one is not modified)."""
     root = _feature_root(logit_scale, query.shape[1], query.device)
-    out, *new_state = decode_step(query, key, value, None if new_mask is None else new_mask[:, -1:], *state, c,
-                                  projection.detach(), root)
+    step = _decode_step if _plain_eager(query) else decode_step
+    out, *new_state = step(query, key, value, None if new_mask is None else new_mask[:, -1:], *state, c,
+                           projection.detach(), root)
     return out, new_state
 
 
-@torch.library.custom_op(f"{_LIBRARY}::decode_step", mutates_args=())
-def decode_step(
+def _decode_step(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, new_mask: Optional[torch.Tensor],
     far_states: torch.Tensor, ring_features: torch.Tensor, ring_values: torch.Tensor, c: torch.Tensor,
     projection: torch.Tensor, root: torch.Tensor,
@@ -354,6 +385,9 @@ def decode_step(
         BD=_block_size(d), BE=_block_size(dv + 1), BM=_block_size(m), BR=_block_size(ring + 1),
     )
     return out, *new_state
+
+
+decode_step = torch.library.custom_op(f"{_LIBRARY}::decode_step", mutates_args=())(_decode_step)
 
 
 @decode_step.register_fake

@@ -428,18 +428,19 @@ def processes():
     return {p for p in os.listdir("/proc") if p.isdigit()}
 
 
-def spinning(pids):
-    """The pids among `pids` that are a busy_load spinner still running (not a zombie waiting to be reaped)."""
+def spinning(pids, parent=None):
+    """The pids among `pids` that are a busy_load spinner still running (not a zombie waiting to be reaped), started
+    by `parent` where given (another test's spinners, on the other xdist worker, are not this test's)."""
     alive = []
     for pid in pids:
         try:
             with open(f"/proc/{pid}/cmdline") as handle:
                 command = handle.read()
             with open(f"/proc/{pid}/stat") as handle:
-                state = handle.read().rsplit(")", 1)[1].split()[0]
+                state, ppid = handle.read().rsplit(")", 1)[1].split()[:2]
         except OSError:
             continue
-        if "sched_setaffinity" in command and state not in "ZX":
+        if "sched_setaffinity" in command and state not in "ZX" and parent in (None, int(ppid)):
             alive.append(pid)
     return alive
 
@@ -498,7 +499,7 @@ def test_attention_benchmark_times_quiet_and_busy_side_by_side(tmp_path, capsys)
     ratios = saved["summary"]["ratios"]
     fwd = saved["rows"][0]["busy_over_quiet"]
     assert ratios["busy_slowdown_auto_over_sdpa_fwd_64"] == fwd["auto"] / fwd["sdpa"]
-    assert not spinning(processes() - before), "a spinning process outlived the benchmark"
+    assert not spinning(processes() - before, parent=os.getpid()), "a spinning process outlived the benchmark"
     with pytest.raises(SystemExit):
         attention.main(["--lengths", "64", "--busy-cores", "4096", "--skip-memory", "--output", out])
     assert "--busy-cores [4096]" in capsys.readouterr().err
@@ -514,7 +515,7 @@ def test_sentence_embedding_benchmark_times_quiet_and_busy_side_by_side(tiny, tm
     result = sentence_embedding.main(["--model", softmax_dir, "--length", "100", "--docs", "2", "--threads", "1",
                                       "--num-random-features", "8", "--busy-cores", BUSY_CORE,
                                       "--output", str(tmp_path / "se")])
-    assert not spinning(processes() - before), "a spinning process outlived the benchmark"
+    assert not spinning(processes() - before, parent=os.getpid()), "a spinning process outlived the benchmark"
     saved = json.loads((tmp_path / "se.json").read_text())
     variants = saved["variants"]
     for variant in variants.values():
@@ -536,7 +537,7 @@ def test_short_length_benchmark_times_quiet_and_busy_side_by_side(tmp_path, caps
     result = short_length.main(["--sizes", "minilm", "--points", "2x16", "--repeats", "1", "--threads", "1",
                                 "--dropout", "0", "--features", "8", "--busy-cores", BUSY_CORE,
                                 "--output", str(tmp_path / "s.json")])
-    assert not spinning(processes() - before), "a spinning process outlived the benchmark"
+    assert not spinning(processes() - before, parent=os.getpid()), "a spinning process outlived the benchmark"
     [row] = result["rows"]
     for kind in ("forward", "train_step"):
         assert_busy_comparison(row[f"{kind}_busy"], row[f"{kind}_s"], "sdpa")
@@ -561,7 +562,7 @@ def test_long_documents_benchmark_times_quiet_and_busy_side_by_side(tiny, tmp_pa
                                 "--window", "62", "--passage-length", "16", "--threads", "1",
                                 "--faithfulness-file", "", "--no-plot", "--busy-cores", BUSY_CORE,
                                 "--output", str(tmp_path / "ld")])
-    assert not spinning(processes() - before), "a spinning process outlived the benchmark"
+    assert not spinning(processes() - before, parent=os.getpid()), "a spinning process outlived the benchmark"
     busy = json.loads((tmp_path / "ld.json").read_text())["busy"]
     assert busy["cores"] == [int(BUSY_CORE)] and busy["task"] == "retrieval" and set(busy["lengths"]) == {"120", "250"}
     for length, comparison in busy["lengths"].items():
@@ -585,7 +586,7 @@ def test_generation_benchmark_times_quiet_and_busy_side_by_side(tmp_path, capsys
     before = processes()
     results = generation.main(TINY + ["--contexts", "16", "--new-tokens", "3", "--warmup-tokens", "1",
                                       "--busy-cores", BUSY_CORE, "--output", str(out), "--plot", ""])
-    assert not spinning(processes() - before), "a spinning process outlived the benchmark"
+    assert not spinning(processes() - before, parent=os.getpid()), "a spinning process outlived the benchmark"
     saved = json.loads(out.read_text())
     by = {r["variant"]: r for r in saved["results"]}
     for r in results:

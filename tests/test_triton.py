@@ -138,8 +138,8 @@ def test_the_public_function_runs_the_kernels(causal, monkeypatch):
     q, k, v, table, projection, mask = inputs(3, 2, n, 16, 16, width, generator)
     bias = tied_table_bias(table, n, width).detach()
     calls = []
-    original = nprf_triton.attention_forward
-    monkeypatch.setattr(nprf_triton, "attention_forward", lambda *a: calls.append(1) or original(*a))
+    original = nprf_triton._attention_forward  # (what an eager call runs: the op's implementation, not its dispatch)
+    monkeypatch.setattr(nprf_triton, "_attention_forward", lambda *a: calls.append(1) or original(*a))
     out = Fn.nprf_attention(q, k, v, bias, projection, mask, algorithm="triton", causal=causal)
     banded = Fn.nprf_attention(q, k, v, bias, projection, mask, algorithm="banded", causal=causal, band_width=width + 1)
     assert calls, "algorithm='triton' did not run the kernels"
@@ -285,7 +285,7 @@ def test_auto_falls_back_once_when_the_kernels_fail_on_the_device(monkeypatch, c
         attempts.append(1)
         raise RuntimeError("PTX assembly failed")
 
-    monkeypatch.setattr(nprf_triton, "attention_forward", broken)
+    monkeypatch.setattr(nprf_triton, "_attention_forward", broken)
     generator = torch.Generator().manual_seed(2)
     n, width = 30, 4
     q, k, v, table, projection, mask = inputs(2, 2, n, 16, 16, width, generator)
