@@ -8,7 +8,11 @@ set here) with every kernel replaced by a stub that only counts its launches: AT
 host time per call at a tiny shape on one thread. A proxy: no GPU time is measured, and the band-width check that
 `nprf_dispatch.resolve_algorithm` makes on CPU tensors only (skipped for the kernels on CUDA) is stubbed out.
 
-    python benchmarks/kernel_host_ops.py [--dtype bfloat16] [--mask] [--repeats 300] [--verbose]
+    python benchmarks/kernel_host_ops.py [--dtype bfloat16] [--mask] [--repeats 300] [--verbose] [--model]
+
+`--model` also times the host side of a whole training step, a tiny 12-layer RoBERTa-like masked LM whose attention
+runs the (stubbed) kernels through `attention_algorithm="auto"` as on a GPU, against the same model with SDPA: what
+NPRF adds to each eager step on a host-bound GPU.
 """
 
 import argparse
@@ -97,12 +101,47 @@ def calls(dtype, masked, batch=1, heads=2, n=64, d=16, m=16, width=8):
     return {"forward": forward, "forward + backward": forward_backward, "decode step": decode}
 
 
+def model_steps(repeats):
+    """Median host seconds of a training step of a tiny 12-layer masked LM, NPRF (the stubbed kernels through "auto",
+    the CPU playing a CUDA device) and SDPA, one thread, 2 x 64 tokens, width 64."""
+    from transformers import RobertaConfig, RobertaForMaskedLM
+
+    from nprf_hf import NPRFRobertaConfig, NPRFRobertaForMaskedLM
+
+    nprf_dispatch.KERNEL_OF_DEVICE = {**nprf_dispatch.KERNEL_OF_DEVICE, "cpu": "triton"}
+    common = dict(vocab_size=99, hidden_size=64, num_hidden_layers=12, num_attention_heads=4, intermediate_size=64,
+                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, max_position_embeddings=130,
+                  pad_token_id=1)
+    torch.manual_seed(0)
+    config = RobertaConfig(**common)
+    config._attn_implementation = "sdpa"
+    models = {"NPRF": NPRFRobertaForMaskedLM(NPRFRobertaConfig(num_random_features=16, **common)),
+              "SDPA": RobertaForMaskedLM(config)}
+    ids = torch.randint(3, 99, (2, 64))
+    seconds = {}
+    for name, model in models.items():
+        def step():
+            model(input_ids=ids, labels=ids).loss.backward()
+            model.zero_grad(set_to_none=True)
+
+        for _ in range(3):
+            step()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        seconds[name] = statistics.median(times)
+    return seconds
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--mask", action="store_true", help="a key padding mask (bool)")
     parser.add_argument("--repeats", type=int, default=300, help="calls timed per row (median)")
     parser.add_argument("--verbose", action="store_true", help="list the launch-like operators")
+    parser.add_argument("--model", action="store_true", help="also a tiny 12-layer model's training step, NPRF and SDPA")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     launches = collections.Counter()
@@ -132,6 +171,10 @@ def main(argv=None):
               f"{kinds['alloc']} allocations, {kinds['view']} views; host {statistics.median(times) * 1e6:.0f} us")
         if args.verbose:
             print("    " + ", ".join(f"{name} x{n}" for (kind, name), n in ops.most_common() if kind == "launch"))
+    if args.model:
+        seconds = model_steps(max(5, args.repeats // 20))
+        print(f"model training step (12 layers, 2 x 64 tokens, host): NPRF {seconds['NPRF'] * 1e3:.2f} ms, SDPA "
+              f"{seconds['SDPA'] * 1e3:.2f} ms")
 
 
 if __name__ == "__main__":

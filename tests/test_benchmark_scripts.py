@@ -409,7 +409,8 @@ def test_kernel_host_ops_counts_the_operators_around_stubbed_kernels():
 
     pytest.importorskip("triton")
     done = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "kernel_host_ops.py"), "--repeats", "3",
-                           "--dtype", "bfloat16", "--mask", "--verbose"], capture_output=True, text=True, timeout=300)
+                           "--dtype", "bfloat16", "--mask", "--verbose", "--model"], capture_output=True, text=True,
+                          timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = dict(re.findall(r"^([a-z +]+): (\d+ launch-like operators, \d+ NPRF kernel launches.*)$", done.stdout, re.M))
     assert set(rows) == {"forward", "forward + backward", "decode step"}
@@ -417,6 +418,8 @@ def test_kernel_host_ops_counts_the_operators_around_stubbed_kernels():
     assert [counts[label][1] for label in ("forward", "forward + backward", "decode step")] == [2, 5, 1]
     assert counts["forward + backward"][0] > counts["forward"][0] > 0  # backward's operators are counted too
     assert all(float(re.search(r"host (\d+) us", row).group(1)) > 0 for row in rows.values())
+    model = re.search(r"^model training step .*: NPRF ([\d.]+) ms, SDPA ([\d.]+) ms$", done.stdout, re.M)
+    assert model and float(model.group(1)) > 0 and float(model.group(2)) > 0
 
 # ---- --busy-cores (issue 45): every timing benchmark times its points quiet, then busy, in the same run ----------
 
