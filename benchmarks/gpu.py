@@ -11,8 +11,8 @@
    kernels on CUDA) against the same model with SDPA softmax: forward and training step (forward, loss, backward)
    at 32 x 128, 8 x 512, 1 x 4,096 and 1 x 16,384, with peak memory;
 4. the model of 3, both `torch.compile`d (inductor, mode="reduce-overhead": CUDA graphs, no Python per kernel launch;
-   the kernels are custom ops, traced without a graph break): training step and forward at 8 x 512, 32 x 128 and
-   1 x 4,096, with each compile's time and the graph breaks dynamo counted;
+   the kernels are custom ops, traced without a graph break): training step and forward at 8 x 512, 32 x 128,
+   1 x 16,384 and 1 x 4,096 as the time allows, with each compile's time and the graph breaks dynamo counted;
 5. decoding, time per token at 512 and 8,192 tokens of context, batch 1 and 16: the NPRF decoder's constant-size
    cache against softmax's growing one.
 
@@ -50,9 +50,10 @@ FULL = dict(lengths=(1024, 2048, 4096, 8192, 16384, 32768, 65536), heads=12, hea
             tiles=((32, 4), (64, 8)),  # besides the default (64 rows, 4 warps); 128 rows overflow shared memory
 
             # the launch-bound points (eager NPRF 1.64-1.79x SDPA's training step there); inductor with CUDA graphs
-            compiled_points=((8, 512), (32, 128), (1, 4096)), compile_backend="inductor",
+            compiled_points=((8, 512), (32, 128), (1, 16384), (1, 4096)), compile_backend="inductor",
             # the device's check in bf16 alone: fp32 products are FMA loops there, whose compiles take minutes
-            compile_mode="reduce-overhead", check_lengths=(1000,), check_batch=2, check_dtypes=("bfloat16",),
+            # (tf32: fp32 inputs with torch's TF32 matmuls allowed, the kernels' TF32 products)
+            compile_mode="reduce-overhead", check_lengths=(1000,), check_batch=2, check_dtypes=("bfloat16", "tf32"),
             graphed=True)
 # the same at fewer points and repeats: for a device loan with only a few minutes left
 QUICK = dict(FULL, lengths=(1024, 4096, 16384, 65536), repeats=5, tiles=((32, 4),), decode_batches=(1, 16),
@@ -63,7 +64,7 @@ TINY = dict(lengths=(40, 72), heads=2, head_dim=16, features=16, model_points=((
             # aot_eager: dynamo and AOTAutograd (what decides graph breaks and the backward graph) without inductor's
             # code generation (minutes of C++ compiles on 2 cores)
             compiled_points=((2, 24), (1, 40)), compile_backend="aot_eager", compile_mode=None, check_lengths=(45,),
-            check_batch=2, check_dtypes=("float32", "bfloat16"), graphed=False)
+            check_batch=2, check_dtypes=("float32", "bfloat16", "tf32"), graphed=False)
 
 
 def synchronize(device):
@@ -233,11 +234,36 @@ def _ms(seconds):
     return "-" if seconds is None else f"{seconds * 1e3:.3f}"
 
 
+class tf32_matmuls:
+    """Within: torch's CUDA fp32 matmuls may use TF32 (`enabled`), as a Trainer's `--tf32` sets; restored after."""
+
+    def __init__(self, enabled):
+        self.enabled = enabled
+
+    def __enter__(self):
+        matmul = torch.backends.cuda.matmul
+        self.new_api = getattr(matmul, "fp32_precision", None) is not None
+        if self.enabled:
+            self.before = matmul.fp32_precision if self.new_api else matmul.allow_tf32
+            if self.new_api:
+                matmul.fp32_precision = "tf32"
+            else:
+                matmul.allow_tf32 = True
+
+    def __exit__(self, *_):
+        if self.enabled:
+            if self.new_api:
+                torch.backends.cuda.matmul.fp32_precision = self.before
+            else:
+                torch.backends.cuda.matmul.allow_tf32 = self.before
+
+
 def check_part(s, device, dtype, log):
     """The compiled kernels on the device against the float64 reference before anything is timed (the suite checks
     the same code under Triton's interpreter, at toy sizes): relative errors of the output and of the gradients of
-    q, k, v and the bias table, fp32 and bf16, bidirectional and causal, with left and right key padding, at lengths
-    off the block; and the decode kernel's output and new state against `recurrent_attention`."""
+    q, k, v and the bias table (`check_dtypes`: bf16, fp32 with TF32 allowed, exact fp32), bidirectional and causal,
+    with left and right key padding, at lengths off the block; and the decode kernel's output and new state against
+    `recurrent_attention`."""
     from nprf_hf import functional as Fn
     from nprf_hf import nprf_recurrent
     from nprf_hf.nprf_features import normalize_attention, normalized_features
@@ -251,9 +277,11 @@ def check_part(s, device, dtype, log):
     width = Fn.rpe_band_width()
     generator = torch.Generator().manual_seed(0)
     rows = []
-    # fp32: the kernels' products in exact fp32 (input_precision="ieee"); half: bf16 operands, fp32 sums
-    for in_dtype in (getattr(torch, name) for name in s["check_dtypes"]):
-        bound = 1e-4 if in_dtype == torch.float32 else 5e-2
+    # float32: the kernels' products in exact fp32 (input_precision="ieee"); tf32: fp32 inputs with TF32 matmuls
+    # allowed (TF32 products); half: bf16 operands; fp32 sums in every case
+    for name in s["check_dtypes"]:
+        in_dtype = torch.float32 if name == "tf32" else getattr(torch, name)
+        bound = 1e-4 if name == "float32" else 5e-2
         for n in s["check_lengths"]:
             for causal in (False, True):
                 q, k, v = (torch.randn(batch, heads, n, d, generator=generator).to(device) for _ in range(3))
@@ -264,19 +292,20 @@ def check_part(s, device, dtype, log):
                 mask[0, :2] = False
                 grad_out = torch.randn(batch, heads, n, d, generator=generator).to(device)
                 leaves = [t.to(in_dtype).requires_grad_(True) for t in (q, k, v)]
-                out = triton_attention(*leaves, Fn.relative_position_bias(table, n), projection, mask, None, width,
-                                       causal)
-                got = torch.autograd.grad(out, (*leaves, table), grad_out.to(out.dtype))
+                with tf32_matmuls(name == "tf32"):
+                    out = triton_attention(*leaves, Fn.relative_position_bias(table, n), projection, mask, None,
+                                           width, causal)
+                    got = torch.autograd.grad(out, (*leaves, table), grad_out.to(out.dtype))
                 wide = [t.double().requires_grad_(True) for t in (q, k, v)]
                 table64 = table.detach().double().requires_grad_(True)
                 ref = naive_attention(*wide, Fn.relative_position_bias(table64, n), projection.double(), mask, causal)
                 want = torch.autograd.grad(ref, (*wide, table64), grad_out.double())
-                row = {"dtype": str(in_dtype).replace("torch.", ""), "n": n, "causal": causal, "out": error(out, ref)}
-                row.update({f"d{name}": error(a, b) for name, a, b in zip(("q", "k", "v", "table"), got, want)})
+                row = {"dtype": name, "n": n, "causal": causal, "out": error(out, ref)}
+                row.update({f"d{label}": error(a, b) for label, a, b in zip(("q", "k", "v", "table"), got, want)})
                 row["ok"] = all(value < bound for key, value in row.items() if key in ("out", "dq", "dk", "dv",
                                                                                          "dtable"))
                 rows.append(row)
-                log(f"check {row['dtype']} n={n} causal={causal}: relative errors " + ", ".join(
+                log(f"check {name} n={n} causal={causal}: relative errors " + ", ".join(
                     f"{key} {row[key]:.1e}" for key in ("out", "dq", "dk", "dv", "dtable")) +
                     ("" if row["ok"] else f"  ABOVE {bound:g}"))
     # the decode step: one token against a random state, in fp32
@@ -527,12 +556,12 @@ def plot(results, path):
     plt.close(fig)
 
 
-# name -> (the part, the seconds it may start new points for), in the order they run: 490 s of points in all, the
-# rest of a 10-minute call for the points started last, the start-up and the profile (the eager parts took 65 s in all
-# on an H200 with --quick; the compiled part's points are mostly their four compiles each, and it starts a point only
-# while the time left covers the last one's; the check has no points to skip)
-PARTS = {"check": (check_part, 0.0), "attention": (attention_part, 130.0), "model": (model_part, 70.0),
-         "compiled": (compiled_part, 200.0), "decode": (decode_part, 40.0)}
+# name -> (the part, the seconds it may start new points for), in the order they run: 530 s of points in all, the
+# rest of a 10-minute call for the start-up and the check (on an H200, 2026-11-27: start-up and check about 25 s,
+# attention 34 s, the eager model 20 s, decoding 15 s; each compiled point about 100 s, mostly its four compiles, and
+# the compiled part starts a point only while the time left covers the last one's: three points fit)
+PARTS = {"check": (check_part, 0.0), "attention": (attention_part, 100.0), "model": (model_part, 60.0),
+         "compiled": (compiled_part, 330.0), "decode": (decode_part, 40.0)}
 
 
 def parse_args(argv=None):

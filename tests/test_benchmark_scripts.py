@@ -378,6 +378,9 @@ def test_gpu_benchmark_runs_every_part_through_the_interpreter(tmp_path):
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(output.read_text())
+    # the device's check: every dtype (tf32 is exact fp32 under the interpreter) within its bound, and the decode step
+    assert {row.get("dtype", "decode") for row in results["check"]} == {"float32", "bfloat16", "tf32", "decode"}
+    assert all(row["ok"] for row in results["check"])
     assert [r["n"] for r in results["attention"]] == [40, 72]
     for row in results["attention"]:
         assert row["speedup_train"] == pytest.approx(row["sdpa_train_s"] / row["nprf_train_s"])
