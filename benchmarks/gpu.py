@@ -205,10 +205,11 @@ def attention_part(s, device, dtype, log):
         default = nprf_triton.DIAGONAL_SUMS
         for label, diagonals in (("atomics", False), ("diagonals", True)):
             nprf_triton.DIAGONAL_SUMS = diagonals
+            times = row["bias_grad"][label] = {"train_s": None, "train_graphed_s": None}
             try:
-                row["bias_grad"][label] = {"train_s": median_time(trained_step, device, s["repeats"]),
-                                           "train_graphed_s": graphed_time(trained_step, device, s["repeats"])
-                                           if s["graphed"] else None}
+                times["train_s"] = median_time(trained_step, device, s["repeats"])
+                if s["graphed"]:
+                    times["train_graphed_s"] = graphed_time(trained_step, device, s["repeats"])
             except Exception as error:  # noqa: BLE001  (one device call: keep the other numbers)
                 log(f"bias gradient by {label} n={n} failed: {type(error).__name__}: {str(error)[:300]}")
         nprf_triton.DIAGONAL_SUMS = default

@@ -67,8 +67,9 @@ class _KeptOutputAttention(torch.autograd.Function):
         del phi_q, phi_k, c
         denominator = kept_denominator(out[..., -1:], rows_with_keys(mask, causal))
         batch, heads, n, _ = query.shape
-        if query.transpose(1, 2).is_contiguous():
-            z = out.new_empty(batch, n, heads, value.shape[-1]).transpose(1, 2)
+        if query.transpose(1, 2).is_contiguous():  # (strided, not a view, as `nprf_cpu_split._output_like`)
+            dv = value.shape[-1]
+            z = out.new_empty_strided((batch, heads, n, dv), (n * heads * dv, dv, heads * dv, 1))
         else:
             z = out.new_empty(batch, heads, n, value.shape[-1])
         z = torch.div(out[..., :-1], denominator, out=z).to(query.dtype)

@@ -149,8 +149,8 @@ def _output_like(query, dv):
     pass it, gets the same view, so that their transpose back to [B, n, H * d_v] is free (and, in the lean mode, the
     output projection keeps for its backward the very tensor kept here)."""
     batch, heads, n, _ = query.shape
-    if query.transpose(1, 2).is_contiguous():
-        return query.new_empty(batch, n, heads, dv).transpose(1, 2)
+    if query.transpose(1, 2).is_contiguous():  # (strided, not a view: a custom Function's output may be changed in place)
+        return query.new_empty_strided((batch, heads, n, dv), (n * heads * dv, dv, heads * dv, 1))
     return query.new_empty(batch, heads, n, dv)
 
 

@@ -20,6 +20,7 @@ import re
 from typing import Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .nprf_banded import _free_library
 from .nprf_features import NORM_EPS
@@ -168,7 +169,8 @@ def _dot_precision(query):
     on an H200 their first compile took about 100 s and they run slower)."""
     if query.dtype in (torch.float16, torch.bfloat16):
         return 2 if interpreting() else 1
-    return 3 if query.is_cuda and not interpreting() and _tf32_allowed() else 0
+    # (not on ROCm, whose Triton takes TF32 products on few chips and whose torch rarely allows them)
+    return 3 if query.is_cuda and torch.version.hip is None and not interpreting() and _tf32_allowed() else 0
 
 
 def _tf32_allowed():
@@ -341,8 +343,11 @@ class _EagerAttention(torch.autograd.Function):
         return output
 
     @staticmethod
+    @once_differentiable  # (as the op, whose backward has no autograd formula: a second derivative is an error)
     def backward(ctx, grad_out, *_):
-        return _attention_grad(ctx, grad_out, backward=_attention_backward)
+        # (compiled autograd traces this backward: there, the op)
+        backward = attention_backward if torch.compiler.is_compiling() else _attention_backward
+        return _attention_grad(ctx, grad_out, backward=backward)
 
 
 def triton_decode_step(query, key, value, new_mask, state, c, projection, logit_scale):

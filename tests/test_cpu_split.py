@@ -160,6 +160,22 @@ def test_the_lean_mode_split_keeps_one_output(split_everything, causal):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+def test_a_split_output_laid_out_as_the_models_query_can_be_changed_in_place(split_everything):
+    """Queries as the models pass them ([B, H, n, d] views of [B, n, H, d]): the split call's output has the same
+    layout (their transpose back is free) and, like any tensor, can be scaled in place; gradients follow."""
+    inputs, terms = case(2, 3, seed=6)
+    q, k, v, bias, projection, mask = inputs
+    laid_out = [t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (q, k, v)]
+    out = Fn.nprf_attention(*laid_out, bias, projection, key_padding_mask=mask, algorithm="banded", band_width=BAND)
+    assert split_everything, "the call was not split"
+    assert out.transpose(1, 2).is_contiguous()
+    out.mul_(2.0)
+    got = torch.autograd.grad(out.sum(), laid_out)
+    want = torch.autograd.grad(2 * naive_attention(q, k, v, bias, projection, mask).sum(), (q, k, v))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
+
+
 def test_a_split_call_is_the_same_on_every_run(split_everything):
     inputs, terms = case(1, 6, n=64, seed=5)
     first = values_and_gradients(inputs, terms, ("logit_scale",), False, "banded")

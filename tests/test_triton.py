@@ -106,6 +106,18 @@ def test_the_bias_gradient_by_diagonals_equals_the_reference(case, causal, monke
     assert relative_error(grads[True], grads[False]) < 1e-5
 
 
+def test_a_second_derivative_is_a_clear_error():
+    """The kernels compute first derivatives only: differentiating their backward raises (eager and op alike), rather
+    than returning gradients without the attention's second-order terms."""
+    generator = torch.Generator().manual_seed(8)
+    q, k, v, table, projection, mask = inputs(1, 2, 20, 16, 16, 4, generator, pad=False)
+    out = nprf_triton.triton_attention(q, k, v, tied_table_bias(table, 20, 4), projection, None, None, 5, False,
+                                       block=16)
+    (grad_q,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|twice"):
+        grad_q.sum().backward()
+
+
 def test_fp32_inputs_take_tf32_products_on_cuda_only_where_torch_allows_them(monkeypatch):
     """The kernels' precision follows torch's: TF32 operands for fp32 inputs on a CUDA device with TF32 matmuls
     allowed, exact fp32 otherwise; bf16 operands for half inputs."""
