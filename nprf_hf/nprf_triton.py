@@ -187,10 +187,9 @@ def _tf32_allowed():
         return False
 
 
-# The bias gradient of a band tile summed per diagonal in registers, then one atomic add per diagonal, instead of one
-# per pair (`nprf_query_grad_kernel`'s DIAGONALS). Off until measured on a device: on an H200 the per-pair atomics
-# made the query-gradient kernel 0.35 ms a layer in an 8 x 512 training step against 0.09 ms without a bias
-# gradient; the diagonals need Triton's `tl.gather` (3.2+).
+# A band tile's bias gradient summed per diagonal in registers, one atomic add per diagonal instead of per pair
+# (`nprf_query_grad_kernel`'s DIAGONALS; Triton's `tl.gather`, 3.2+). Off until measured on a device: on an H200 the
+# per-pair atomics made that kernel 0.35 ms a layer in an 8 x 512 training step, 0.09 ms without a bias gradient.
 DIAGONAL_SUMS = False
 
 
