@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 # Rows per block (queries and keys alike): the band is REACH = ceil((W - 1) / BLOCK) key blocks on either side
 # of a query block. 64 rows and 4 warps, flash attention's usual tile for d = 64: on an H200 (benchmarks/gpu.py)
-# 32 rows were 3-30% faster up to 4,096 tokens, where launches bound the time anyway, and 20-40% slower from 16,384.
+# 32 rows (4 warps) and 8 warps were within the noise of host-bound calls up to 8,192 tokens, 15-40% slower beyond.
 BLOCK = 64
 NUM_WARPS = 4
 _told = set()  # the fallback reasons already logged
