@@ -67,8 +67,6 @@ On a CUDA GPU in bfloat16, not compiled, then compiled:
 """
 
 import argparse
-import ctypes
-import ctypes.util
 import json
 import math
 import multiprocessing
@@ -85,6 +83,7 @@ from transformers import AttentionInterface, RobertaConfig, RobertaModel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nprf_hf.functional import ALGORITHMS  # noqa: E402
+from nprf_hf.nprf_cpu_threads import release_freed_memory  # noqa: E402
 
 
 VARIANTS = ("nprf", "sdpa", "eager", "floor", "nprf-keep")
@@ -154,10 +153,7 @@ def setting(args):
 
 def _release_freed_memory():
     """Hand glibc's freed heap pages back to the kernel (CPU RSS baseline); a no-op without glibc."""
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    release_freed_memory()
 
 
 class PeakMemory:

@@ -17,6 +17,7 @@ from torch.autograd.function import once_differentiable
 from .nprf_banded import banded_toeplitz_attention, banded_toeplitz_backward
 from .nprf_features import (
     compute_dtype,
+    empty_like_query,
     kept_denominator,
     query_key_features,
     rows_with_keys,
@@ -55,7 +56,7 @@ def _product(phi_q, phi_k, value, c, shift, terms, band_width, causal, product):
 
 class _KeptOutputAttention(torch.autograd.Function):
     """z = numerator / denominator of the banded product of (query, key, value, bias, projection, term tensors),
-    see `banded_attention_recomputed`; setup: (mask, terms, band_width, causal, variant)."""
+    see `banded_attention_recomputed`; setup: (mask, terms, band_width, causal, variant, output_kept_outside)."""
 
     @staticmethod
     def forward(ctx, setup, query, key, value, bias, projection, *term_tensors):
@@ -66,12 +67,7 @@ class _KeptOutputAttention(torch.autograd.Function):
         out = _product(phi_q, phi_k, value.to(dtype), c, shift, terms, band_width, causal, banded_toeplitz_attention)
         del phi_q, phi_k, c
         denominator = kept_denominator(out[..., -1:], rows_with_keys(mask, causal))
-        batch, heads, n, _ = query.shape
-        if query.transpose(1, 2).is_contiguous():  # (strided, not a view, as `nprf_cpu_split._output_like`)
-            dv = value.shape[-1]
-            z = out.new_empty_strided((batch, heads, n, dv), (n * heads * dv, dv, heads * dv, 1))
-        else:
-            z = out.new_empty(batch, heads, n, value.shape[-1])
+        z = empty_like_query(query, value.shape[-1], dtype=out.dtype)
         z = torch.div(out[..., :-1], denominator, out=z).to(query.dtype)
         ctx.setup = setup
         kept = None if output_kept_outside else z

@@ -15,13 +15,11 @@ Exact: every item is the same math on its own rows and heads; gradients of tenso
 table, a shared projection, the terms' parameters) are summed in the items' order, the same on every run.
 """
 
-import ctypes
-import ctypes.util
-
 import torch
 from torch.autograd.function import once_differentiable
 
-from .nprf_cpu_threads import parallel_items, parallel_slots
+from .nprf_cpu_threads import parallel_items, parallel_slots, release_freed_memory
+from .nprf_features import empty_like_query
 from .nprf_positions import masked_bias
 
 
@@ -47,7 +45,7 @@ def attention_in_items(call, route, run):
         return run(call, route)
     if needs_grad:
         return _ItemsAttention.apply(call, route, run, items, *tensors)
-    out = _output_like(call.query, call.value.shape[-1])
+    out = empty_like_query(call.query, call.value.shape[-1])
 
     def item(index, slot):
         rows, cut = items[index]
@@ -77,28 +75,6 @@ def split_items(call, route, needs_grad):
     if needs_grad and _saved_tensor_hooks_active():
         return None
     return items_of(batch, heads, threads * ITEMS_PER_THREAD)
-
-
-def _malloc_trim():
-    """glibc's `malloc_trim`, or None (another C library)."""
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
-_MALLOC_TRIM = _malloc_trim()
-
-
-def _release_freed_memory():
-    """Hand the heap memory the items freed on their threads back to the OS (glibc's `malloc_trim`; nothing elsewhere).
-    glibc keeps a thread's freed blocks in that thread's arena, and after the first large block it frees it serves
-    blocks of that size from the arenas instead of fresh mappings: a 12-layer 16,384-token training step whose lean
-    attention calls ran as items peaked 502 MiB higher in resident memory (11,505 against 11,004 MiB unsplit) with
-    no more tensors kept; trimmed after each call's items, lower than unsplit. (An action, not a setting: nothing of
-    the allocator's behaviour is changed.)"""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
 
 
 def _saved_tensor_hooks_active():
@@ -144,16 +120,6 @@ def _root(z):
     return z if get_edge is None else get_edge(z)
 
 
-def _output_like(query, dv):
-    """The call's output [B, H, n, d_v], laid out as query: a [B, H, n, d] view of [B, n, H, d] storage, as the models
-    pass it, gets the same view, so that their transpose back to [B, n, H * d_v] is free (and, in the lean mode, the
-    output projection keeps for its backward the very tensor kept here)."""
-    batch, heads, n, _ = query.shape
-    if query.transpose(1, 2).is_contiguous():  # (strided, not a view: a custom Function's output may be changed in place)
-        return query.new_empty_strided((batch, heads, n, dv), (n * heads * dv, dv, heads * dv, 1))
-    return query.new_empty(batch, heads, n, dv)
-
-
 def _cut(tensor, rows, cut, index):
     """The part of input `index` (in `attention_in_items`' order) an item reads: q, k, v [B, H, ...] by rows and
     heads, the rest [H, ...] by heads, a shared [m, d] projection whole."""
@@ -169,7 +135,7 @@ class _ItemsAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call, route, run, items, *tensors):
         query = tensors[0]
-        out = _output_like(query, tensors[2].shape[-1])
+        out = empty_like_query(query, tensors[2].shape[-1])
         graphs = [None] * len(items)
         # The lean mode keeps its output for backward: here the call's output is kept once, and each item's Function
         # reads its part of it (`kept_output`), instead of each keeping its own copy (one more copy per layer)
@@ -185,8 +151,10 @@ class _ItemsAttention(torch.autograd.Function):
             graphs[index] = (_root(z), leaves, z.grad_fn if lean else None)
 
         parallel_items(len(items), item, query.device)
-        if lean:  # (the mode exists to save memory: see `_release_freed_memory`)
-            _release_freed_memory()
+        # (the mode exists to save memory: a 12-layer 16,384-token training step split this way peaked 502 MiB
+        # higher in resident memory untrimmed, 11,505 against 11,004 MiB unsplit; trimmed, 10,779)
+        if lean:
+            release_freed_memory()
         ctx.graphs, ctx.items, ctx.inputs = graphs, items, [(t.shape, t.dtype) for t in tensors]
         ctx.save_for_backward(out if lean else None)
         return out
@@ -226,7 +194,7 @@ class _ItemsAttention(torch.autograd.Function):
 
         parallel_items(len(items), item, grad_out.device)
         if kept is not None:  # the lean mode
-            _release_freed_memory()
+            release_freed_memory()
         for i, ((shape, dtype), want) in enumerate(zip(ctx.inputs, wanted)):
             if want and i >= 3:
                 out[i] = grad_out.new_zeros(shape, dtype=dtype)

@@ -59,6 +59,27 @@ def _controls():
     return _CONTROLS
 
 
+def _malloc_trim():
+    """glibc's `malloc_trim` from the process's own symbols, or None (another C library)."""
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError, TypeError):
+        return None
+
+
+_MALLOC_TRIM = _malloc_trim()
+
+
+def release_freed_memory():
+    """Hand the heap memory freed on any thread back to the OS (glibc's `malloc_trim`; nothing elsewhere). glibc keeps
+    a thread's freed blocks in that thread's arena, and once a large block is freed it serves blocks of that size
+    from the arenas instead of fresh mappings, so work spread over threads keeps resident memory it no longer holds
+    (`nprf_cpu_split`: 502 MiB at a 12-layer 16,384-token training step). An action, not a setting: nothing of the
+    allocator's behaviour is changed."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
 def available():
     """Whether this torch build lets one thread run its operators single-threaded without touching others."""
     return _controls() is not None

@@ -100,6 +100,17 @@ def normalized_features(x, projection, logit_scale=None, head_major=False):
     return _project(x * inverse, projection).add_(-shift).exp_()
 
 
+def empty_like_query(query, dv, dtype=None):
+    """An empty attention output [B, H, n, d_v] laid out as query: a [B, H, n, d] view of [B, n, H, d] storage, as
+    the models pass it, gets the same layout, so that their transpose back to [B, n, H * d_v] is free (and an output
+    kept for backward is the very tensor the output projection keeps). Strided, not a view: a custom Function's
+    output may then be changed in place."""
+    batch, heads, n, _ = query.shape
+    if query.transpose(1, 2).is_contiguous():
+        return query.new_empty_strided((batch, heads, n, dv), (n * heads * dv, dv, heads * dv, 1), dtype=dtype)
+    return query.new_empty(batch, heads, n, dv, dtype=dtype)
+
+
 def row_norms(x):
     """|x| over the last dim, [B, H, n, 1]. The models' q / k are [B, H, n, d] views of [B, n, H, d]: reducing
     in that storage order is about twice as fast as through the view."""

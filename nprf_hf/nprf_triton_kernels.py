@@ -96,6 +96,15 @@ def _blocks(P, bh, lo, hi, NC, BM: tl.constexpr, BV: tl.constexpr):
 
 
 @triton.jit
+def _store_block(S, bh, block, NC, states, sums, BM: tl.constexpr, BV: tl.constexpr):
+    """Block `block` of sequence bh's row of S [B*H, NC, BM * (BV + 1)] (what `_blocks` reads once summed): its
+    states [BM, BV], then its sums [BM]."""
+    feats, row = tl.arange(0, BM), S + (bh * NC + block) * (BM * (BV + 1))
+    tl.store(row + feats[:, None] * BV + tl.arange(0, BV)[None, :], states)
+    tl.store(row + BM * BV + feats, sums)
+
+
+@triton.jit
 def _band_tile(K, V, C, MASK, b, h, rows_q, key_block, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb,
                stride_vh, stride_vn, stride_vd, stride_mb, w, root, N, D, DV, M, log_m_half, CAUSAL: tl.constexpr,
                HAS_MASK: tl.constexpr, EPS: tl.constexpr, HALF: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
@@ -168,14 +177,11 @@ def nprf_key_states_kernel(
     block, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     rows = block * BT + tl.arange(0, BT)
-    cols_v, feats = tl.arange(0, BV), tl.arange(0, BM)
     w, root = _projection(W, ROOT, h, M, D, W_PER_HEAD, BM, BD)
     phi, _, _, v, _ = _key_block(K, V, MASK, b, h, rows, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb,
                                  stride_vh, stride_vn, stride_vd, stride_mb, w, root, N, D, DV, M, log_m_half,
                                  HAS_MASK, EPS, HALF, BD, BV)
-    row = S + (bh * NC + block) * (BM * (BV + 1))
-    tl.store(row + feats[:, None] * BV + cols_v[None, :], _dot(tl.trans(phi), v, HALF))
-    tl.store(row + BM * BV + feats, tl.sum(phi, axis=0))
+    _store_block(S, bh, block, NC, _dot(tl.trans(phi), v, HALF), tl.sum(phi, axis=0), BM, BV)
 
 
 @triton.jit
@@ -237,7 +243,7 @@ def nprf_query_states_kernel(
     block, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     rows = block * BT + tl.arange(0, BT)
-    cols_d, cols_v, feats = tl.arange(0, BD), tl.arange(0, BV), tl.arange(0, BM)
+    cols_d, cols_v = tl.arange(0, BD), tl.arange(0, BV)
     w, root = _projection(W, ROOT, h, M, D, W_PER_HEAD, BM, BD)
     q = _load_rows(Q + b * stride_qb + h * stride_qh, rows, N, cols_d, D, stride_qn, stride_qd)
     phi, _, _ = _features(q, w, root, M, log_m_half, EPS, HALF)
@@ -247,9 +253,7 @@ def nprf_query_states_kernel(
     delta = -tl.sum(g * _load_rows(O + bh * N * DV, rows, N, cols_v, DV, DV, 1), axis=1)
     tl.store(G + (bh * N + rows[:, None]) * DV + cols_v[None, :], g, mask=(rows[:, None] < N) & (cols_v[None, :] < DV))
     tl.store(DELTA + bh * N + rows, delta, mask=rows < N)
-    row = S + (bh * NC + block) * (BM * (BV + 1))
-    tl.store(row + feats[:, None] * BV + cols_v[None, :], _dot(tl.trans(phi), g, HALF))
-    tl.store(row + BM * BV + feats, tl.sum(phi * delta[:, None], axis=0))
+    _store_block(S, bh, block, NC, _dot(tl.trans(phi), g, HALF), tl.sum(phi * delta[:, None], axis=0), BM, BV)
 
 
 @triton.jit

@@ -139,7 +139,7 @@ def test_the_lean_mode_split_keeps_one_output(split_everything, causal):
     inputs, terms = case(3, 4, seed=4 + causal)
     trims = []
     with pytest.MonkeyPatch.context() as patch:  # the threads' freed heap memory handed back after forward, backward
-        patch.setattr(nprf_cpu_split, "_MALLOC_TRIM", lambda pad: trims.append(pad))
+        patch.setattr(nprf_cpu_threads, "_MALLOC_TRIM", lambda pad: trims.append(pad))
         out = attend(inputs, terms, names, causal, "banded", recompute=True)
         assert split_everything and trims == [0], "the call was not split, or not trimmed after its items"
         node = out.grad_fn
