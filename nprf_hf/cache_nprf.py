@@ -13,6 +13,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, Encod
 from transformers.masking_utils import create_masks_for_generate
 
 from .functional import nprf_attention, nprf_attention_weights
+from .nprf_cpu_threads import ThreadChoice
 from .nprf_positions import relative_position_bias
 from .nprf_recurrent import (  # noqa: F401  (DECODE_BLOCK, recurrent_attention: public here as before)
     DECODE_BLOCK, causal_distance_bias, key_features_and_values, recurrent_attention, recurrent_state_from_prefill,
@@ -206,12 +207,14 @@ class NPRFStaticCacheLayer(NPRFCacheLayer):
 class NPRFCacheMixin:
     """What `NPRFCache` and `NPRFStaticCache` share: layers of `layer_class`, one per hidden layer of `config` (or
     added as the attention modules first use them), and `attend(...)`, which NPRF self-attention calls instead of
-    `update(...)`. `layer_kwargs`: passed to every layer."""
+    `update(...)`. `layer_kwargs`: passed to every layer. `thread_choice`: how many CPU threads the decode steps
+    through this cache run on (`NPRFGenerationMixin.__call__`)."""
 
     layer_class = NPRFCacheLayer
 
     def __init__(self, config=None, **layer_kwargs):
         self._layer_kwargs = layer_kwargs
+        self.thread_choice = ThreadChoice()
         layers = [] if config is None else [self.layer_class(**layer_kwargs) for _ in range(config.num_hidden_layers)]
         Cache.__init__(self, layers=layers)
 
@@ -407,6 +410,18 @@ class NPRFGenerationMixin:
     cache too; so does `output_attentions=True` (every past key) unless `cache_implementation="static"`, whose
     NPRFStaticCache then also keeps the keys, up to the static length.
     """
+
+    def __call__(self, *args, **kwargs):
+        """A decode step through an NPRF cache (one new token per sequence) runs on the CPU threads its cache's
+        earlier steps ran faster with (`nprf_cpu_threads.ThreadChoice`: on a core shared with another process, one
+        thread); anything else as `nn.Module.__call__`."""
+        cache = None if torch.compiler.is_compiling() else find_nprf_cache(kwargs.get("past_key_values"))
+        tokens = kwargs.get("input_ids", args[0] if args else None)
+        tokens = kwargs.get("inputs_embeds") if tokens is None else tokens
+        if cache is None or tokens is None or tokens.dim() < 2 or tokens.shape[1] != 1:
+            return super().__call__(*args, **kwargs)
+        with cache.thread_choice.step(tokens.device):
+            return super().__call__(*args, **kwargs)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, *args, **kwargs):
         implementation = generation_config.cache_implementation

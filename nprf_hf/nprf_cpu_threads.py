@@ -20,6 +20,7 @@ import contextlib
 import ctypes
 import os
 import threading
+import time
 
 import torch
 
@@ -117,6 +118,51 @@ def single_threaded_below(elements, device):
     """`single_threaded(device)` when the work's operators touch at most SINGLE_THREAD_MAX_ELEMENTS elements, else
     a block that changes nothing."""
     return single_threaded(device) if elements <= SINGLE_THREAD_MAX_ELEMENTS else contextlib.nullcontext()
+
+
+class ThreadChoice:
+    """All of torch's threads or one for a small step run many times over (a decoder's decode step: one token per
+    sequence through every layer, a few dozen matrix-vector products and no work worth splitting elsewhere),
+    whichever the steps themselves last took less time with.
+
+    Why (issue 45): every product is a parallel region, and once another process shares a core each region waits
+    about a scheduler slice for the thread the OS has parked. A RoBERTa-base-sized decoder's step on the 2-core
+    machine: 35 ms quiet and 210-480 ms busy with two threads, 53 ms either way with one. No size rule picks both:
+    quiet, the second thread is worth 1.5x. So the steps are timed as they run: the faster way is used, and every
+    `PROBE_EVERY`-th step runs the other way, to notice when the machine's load changes. Only the calling thread's
+    count changes, and only during a step (`single_threaded`)."""
+
+    PROBE_EVERY = 32
+
+    def __init__(self, clock=None):
+        self.seconds = {False: None, True: None}  # single-threaded? -> the last step's seconds that way
+        # not time.perf_counter itself: a cache made inside a compiled forward could not be returned holding it
+        self.steps, self.clock = 0, clock
+
+    def single(self):
+        """Whether the next step runs on one thread."""
+        if self.seconds[False] is None or self.seconds[True] is None:
+            return self.seconds[False] is not None  # each way once first
+        faster = self.seconds[True] < self.seconds[False]
+        return faster != (self.steps % self.PROBE_EVERY == 0)
+
+    @contextlib.contextmanager
+    def step(self, device):
+        """A block run as one step: on one thread or all, as `single()` says, and timed. Changes nothing on another
+        device, under torch.compile (whose graph is one region per fused loop), with one thread, or where
+        `available()` is False."""
+        if (torch.device(device).type != "cpu" or torch.compiler.is_compiling() or not available()
+                or torch.get_num_threads() == 1):
+            yield
+            return
+        single = self.single()
+        self.steps += 1
+        clock = self.clock or time.perf_counter
+        start = clock()
+        with single_threaded(device) if single else contextlib.nullcontext():
+            yield
+            elapsed = clock() - start
+        self.seconds[single] = elapsed
 
 
 class _Job:

@@ -178,3 +178,72 @@ def test_a_small_decode_step_runs_on_one_thread(two_threads, monkeypatch, limit)
     out, _ = nprf_recurrent.recurrent_step(query, key, value, None, state, table, projection, band, BUCKETS, DISTANCE,
                                            "auto", "nprf", AttentionTerms())
     assert seen == [1 if limit else 2] and torch.get_num_threads() == 2 and torch.isfinite(out).all()
+
+
+class _StepClock:
+    """A clock for ThreadChoice whose every step takes `seconds[single]`, single read from the thread count at the
+    step's end (inside the step's block)."""
+
+    def __init__(self, multi, single):
+        self.now, self.seconds = 0.0, {False: multi, True: single}
+
+    def __call__(self):
+        self.now += self.seconds[torch.get_num_threads() == 1] / 2  # two readings per step
+        return self.now
+
+
+def test_thread_choice_follows_the_faster_way_and_probes_the_other(two_threads):
+    """Each way once, then the faster (quiet: all threads), the other every PROBE_EVERY-th step; when the machine
+    gets busy (all threads slower) the next step is single-threaded, and back once a probe finds it quiet again.
+    The count inside a step is what the choice says, and the caller's is back after every step."""
+    clock = _StepClock(multi=1.0, single=1.5)
+    choice = nprf_cpu_threads.ThreadChoice(clock=clock)
+    probe = choice.PROBE_EVERY
+
+    def steps(count):
+        seen = []
+        for _ in range(count):
+            with choice.step("cpu"):
+                seen.append(torch.get_num_threads())
+            assert torch.get_num_threads() == 2
+        return seen
+
+    quiet = steps(2 * probe + 2)
+    assert quiet[:2] == [2, 1]
+    assert [i for i, n in enumerate(quiet) if n == 1] == [1, probe, 2 * probe]
+    clock.seconds[False] = 6.0  # another process on a core: each of the step's regions waits for a parked thread
+    busy = steps(probe + 2)
+    # the step that found it slow, then one thread but for the probe (step 3 * probe overall)
+    assert [i for i, n in enumerate(busy) if n == 2] == [0, probe - 2]
+    clock.seconds[False] = 1.0
+    again = steps(probe)  # quiet again from step 3 * probe + 4: found at the next probe, step 4 * probe
+    assert again == [1] * (probe - 4) + [2] * 4
+    with choice.step("meta"):  # another device: nothing changes, nothing counted
+        assert torch.get_num_threads() == 2
+    assert choice.steps == 2 * probe + 2 + probe + 2 + probe
+
+
+def test_decode_steps_run_as_their_cache_chooses_and_give_the_same_tokens(two_threads):
+    """generate() through an NPRF cache: the prompt on every thread, each decode step on the threads its cache's
+    choice says (single-threaded when timed faster), the caller's count back after; the scores equal those of
+    steps all on two threads."""
+    from nprf_hf import NPRFCache
+    from test_generation import decoder
+
+    model = decoder(torch.float32, seed=3)
+    seen = []
+    model.roberta.encoder.layer[0].register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
+    prompt = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4))
+    runs = []
+    for single_faster in (True, False):
+        cache = NPRFCache(model.config)
+        cache.thread_choice = nprf_cpu_threads.ThreadChoice(_StepClock(multi=2.0, single=1.0 if single_faster else 3.0))
+        seen.clear()
+        out = model.generate(prompt, past_key_values=cache, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                             output_scores=True, return_dict_in_generate=True)
+        assert torch.get_num_threads() == 2
+        # prefill, then the steps: each way once, then the faster
+        assert seen == ([2, 2, 1, 1, 1, 1] if single_faster else [2, 2, 1, 2, 2, 2])
+        runs.append(out)
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    torch.testing.assert_close(torch.stack(runs[0].scores), torch.stack(runs[1].scores))
