@@ -396,8 +396,10 @@ def test_the_ops_pass_opcheck():
     state = [torch.rand(2, 2, 16, 17, generator=generator), torch.rand(2, 2, 3, 16, generator=generator),
              torch.rand(2, 2, 3, 17, generator=generator)]
     token = [torch.randn(2, 2, 1, 16, generator=generator) for _ in range(3)]
+    # the step's root has one entry per head (two here; the kernel reads entry h)
     torch.library.opcheck(nprf_triton.decode_step, (*token, torch.tensor([[True], [False]]), *state,
-                                                    torch.rand(2, 5, generator=generator), projection, root.detach()))
+                                                    torch.rand(2, 5, generator=generator), projection,
+                                                    torch.rand(2, generator=generator) + 0.5))
 
 
 @pytest.mark.filterwarnings("ignore:Your compiler for AOTAutograd")
