@@ -334,7 +334,10 @@ def test_no_parser_takes_abbreviations(capsys):
 
 
 INTERRUPTED_CONVERSION = """
-import sys, time
+import signal, sys, time
+# Ctrl-C raises KeyboardInterrupt as in a terminal, also when the suite runs as a background job (which starts with
+# SIGINT ignored, and passes that on to this child)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import nprf_hf.convert as convert
 from nprf_hf.cli import main
 
