@@ -123,21 +123,23 @@ def single_threaded_below(elements, device):
 class ThreadChoice:
     """All of torch's threads or one for a small step run many times over (a decoder's decode step: one token per
     sequence through every layer, a few dozen matrix-vector products and no work worth splitting elsewhere),
-    whichever the steps themselves last took less time with.
+    whichever the steps themselves were timed faster with.
 
     Why (issue 45): every product is a parallel region, and once another process shares a core each region waits
     about a scheduler slice for the thread the OS has parked. A RoBERTa-base-sized decoder's step on the 2-core
     machine: 35 ms quiet and 210-480 ms busy with two threads, 53 ms either way with one. No size rule picks both:
     quiet, the second thread is worth 1.5x. So the steps are timed as they run: the faster way is used, and every
-    `PROBE_EVERY`-th step runs the other way, to notice when the machine's load changes. Only the calling thread's
-    count changes, and only during a step (`single_threaded`)."""
+    `PROBE_EVERY`-th step runs the other way, to notice when the machine's load changes. A way's time is its last
+    step's when the step before ran the other way (a probe: fresh news), else the mean of its last estimate and this
+    step (one slow step of the way in use, a stall, does not send 31 steps the slower way; a busy core's steady
+    4-9x does at once). Only the calling thread's count changes, and only during a step (`single_threaded`)."""
 
     PROBE_EVERY = 32
 
     def __init__(self, clock=None):
-        self.seconds = {False: None, True: None}  # single-threaded? -> the last step's seconds that way
+        self.seconds = {False: None, True: None}  # single-threaded? -> the estimate of a step's seconds that way
         # not time.perf_counter itself: a cache made inside a compiled forward could not be returned holding it
-        self.steps, self.clock = 0, clock
+        self.steps, self.clock, self.last = 0, clock, None
 
     def single(self):
         """Whether the next step runs on one thread."""
@@ -162,7 +164,9 @@ class ThreadChoice:
         with single_threaded(device) if single else contextlib.nullcontext():
             yield
             elapsed = clock() - start
-        self.seconds[single] = elapsed
+        estimate = self.seconds[single]
+        self.seconds[single] = elapsed if self.last != single or estimate is None else (estimate + elapsed) / 2
+        self.last = single
 
 
 class _Job:

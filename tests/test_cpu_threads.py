@@ -193,9 +193,10 @@ class _StepClock:
 
 
 def test_thread_choice_follows_the_faster_way_and_probes_the_other(two_threads):
-    """Each way once, then the faster (quiet: all threads), the other every PROBE_EVERY-th step; when the machine
-    gets busy (all threads slower) the next step is single-threaded, and back once a probe finds it quiet again.
-    The count inside a step is what the choice says, and the caller's is back after every step."""
+    """Each way once, then the faster (quiet: all threads), the other every PROBE_EVERY-th step; one slow step of
+    the way in use (a stall) does not switch; when the machine gets busy (all threads slower) the next step is
+    single-threaded, and back once a probe finds it quiet again. The count inside a step is what the choice says,
+    and the caller's is back after every step."""
     clock = _StepClock(multi=1.0, single=1.5)
     choice = nprf_cpu_threads.ThreadChoice(clock=clock)
     probe = choice.PROBE_EVERY
@@ -211,16 +212,20 @@ def test_thread_choice_follows_the_faster_way_and_probes_the_other(two_threads):
     quiet = steps(2 * probe + 2)
     assert quiet[:2] == [2, 1]
     assert [i for i, n in enumerate(quiet) if n == 1] == [1, probe, 2 * probe]
-    clock.seconds[False] = 6.0  # another process on a core: each of the step's regions waits for a parked thread
-    busy = steps(probe + 2)
-    # the step that found it slow, then one thread but for the probe (step 3 * probe overall)
-    assert [i for i, n in enumerate(busy) if n == 2] == [0, probe - 2]
+    clock.seconds[False] = 1.8  # one stall, slower than a single-threaded step
+    assert steps(1) == [2]
     clock.seconds[False] = 1.0
-    again = steps(probe)  # quiet again from step 3 * probe + 4: found at the next probe, step 4 * probe
-    assert again == [1] * (probe - 4) + [2] * 4
+    assert steps(1) == [2]  # still all threads: the stall was averaged with the estimate, not taken alone
+    clock.seconds[False] = 6.0  # another process on a core: each of the step's regions waits for a parked thread
+    busy = steps(probe + 2)  # steps 2 * probe + 4 on
+    # the step that found it slow, then one thread but for the probe (step 3 * probe overall)
+    assert [i for i, n in enumerate(busy) if n == 2] == [0, probe - 4]
+    clock.seconds[False] = 1.0
+    again = steps(probe)  # quiet again from step 3 * probe + 6: found at the next probe, step 4 * probe
+    assert again == [1] * (probe - 6) + [2] * 6
     with choice.step("meta"):  # another device: nothing changes, nothing counted
         assert torch.get_num_threads() == 2
-    assert choice.steps == 2 * probe + 2 + probe + 2 + probe
+    assert choice.steps == 2 * probe + 4 + probe + 2 + probe
 
 
 def test_decode_steps_run_as_their_cache_chooses_and_give_the_same_tokens(two_threads):
