@@ -414,13 +414,15 @@ class NPRFGenerationMixin:
     def __call__(self, *args, **kwargs):
         """A decode step through an NPRF cache (one new token per sequence) runs on the CPU threads its cache's
         earlier steps ran faster with (`nprf_cpu_threads.ThreadChoice`: on a core shared with another process, one
-        thread); anything else as `nn.Module.__call__`."""
+        thread); anything else as `nn.Module.__call__`. Traced by torch.compile, it steps aside; around a model
+        compiled in place (`model.compile()`) it times and chooses as for an eager one."""
         cache = None if torch.compiler.is_compiling() else find_nprf_cache(kwargs.get("past_key_values"))
+        choice = getattr(cache, "thread_choice", None)  # None too for a cache pickled before it had one
         tokens = kwargs.get("input_ids", args[0] if args else None)
         tokens = kwargs.get("inputs_embeds") if tokens is None else tokens
-        if cache is None or tokens is None or tokens.dim() < 2 or tokens.shape[1] != 1:
+        if choice is None or not isinstance(tokens, torch.Tensor) or tokens.dim() < 2 or tokens.shape[1] != 1:
             return super().__call__(*args, **kwargs)
-        with cache.thread_choice.step(tokens.device):
+        with choice.step(self.device):  # the model's: accelerate may hand CPU ids to a model on a GPU
             return super().__call__(*args, **kwargs)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, *args, **kwargs):

@@ -129,24 +129,26 @@ class ThreadChoice:
     about a scheduler slice for the thread the OS has parked. A RoBERTa-base-sized decoder's step on the 2-core
     machine: 35 ms quiet and 210-480 ms busy with two threads, 53 ms either way with one. No size rule picks both:
     quiet, the second thread is worth 1.5x. So the steps are timed as they run: the faster way is used, and every
-    `PROBE_EVERY`-th step runs the other way, to notice when the machine's load changes. A way's time is its last
-    step's when the step before ran the other way (a probe: fresh news), else the mean of its last estimate and this
-    step (one slow step of the way in use, a stall, does not send 31 steps the slower way; a busy core's steady
-    4-9x does at once). Only the calling thread's count changes, and only during a step (`single_threaded`)."""
+    `PROBE_EVERY`-th step runs the other way, to notice when the machine's load changes. A probe's step is taken as
+    it is (fresh news of the way not in use); a step of the way in use is averaged with its estimate (one slow step,
+    a stall, does not send the next 31 steps the slower way; a busy core's steady 4-9x does at once). Only the calling thread's count changes, and only during a step (`single_threaded`)."""
 
     PROBE_EVERY = 32
 
     def __init__(self, clock=None):
         self.seconds = {False: None, True: None}  # single-threaded? -> the estimate of a step's seconds that way
         # not time.perf_counter itself: a cache made inside a compiled forward could not be returned holding it
-        self.steps, self.clock, self.last = 0, clock, None
+        self.steps, self.clock = 0, clock
 
     def single(self):
         """Whether the next step runs on one thread."""
-        if self.seconds[False] is None or self.seconds[True] is None:
+        if None in self.seconds.values():
             return self.seconds[False] is not None  # each way once first
-        faster = self.seconds[True] < self.seconds[False]
-        return faster != (self.steps % self.PROBE_EVERY == 0)
+        return (self.seconds[True] < self.seconds[False]) != self.probing()
+
+    def probing(self):
+        """Whether the next step runs the way not in use, to time it again."""
+        return None not in self.seconds.values() and self.steps % self.PROBE_EVERY == 0
 
     @contextlib.contextmanager
     def step(self, device):
@@ -158,15 +160,14 @@ class ThreadChoice:
             yield
             return
         single = self.single()
+        estimate = None if self.probing() else self.seconds[single]
         self.steps += 1
         clock = self.clock or time.perf_counter
         start = clock()
         with single_threaded(device) if single else contextlib.nullcontext():
             yield
             elapsed = clock() - start
-        estimate = self.seconds[single]
-        self.seconds[single] = elapsed if self.last != single or estimate is None else (estimate + elapsed) / 2
-        self.last = single
+        self.seconds[single] = elapsed if estimate is None else (estimate + elapsed) / 2
 
 
 class _Job:

@@ -209,13 +209,13 @@ def test_thread_choice_follows_the_faster_way_and_probes_the_other(two_threads):
             assert torch.get_num_threads() == 2
         return seen
 
-    quiet = steps(2 * probe + 2)
+    quiet = steps(2 * probe + 1)
     assert quiet[:2] == [2, 1]
     assert [i for i, n in enumerate(quiet) if n == 1] == [1, probe, 2 * probe]
-    clock.seconds[False] = 1.8  # one stall, slower than a single-threaded step
+    clock.seconds[False] = 1.8  # one stall, slower than a single-threaded step, right after a probe
     assert steps(1) == [2]
     clock.seconds[False] = 1.0
-    assert steps(1) == [2]  # still all threads: the stall was averaged with the estimate, not taken alone
+    assert steps(2) == [2, 2]  # still all threads: the stall was averaged with the estimate, not taken alone
     clock.seconds[False] = 6.0  # another process on a core: each of the step's regions waits for a parked thread
     busy = steps(probe + 2)  # steps 2 * probe + 4 on
     # the step that found it slow, then one thread but for the probe (step 3 * probe overall)
@@ -252,3 +252,12 @@ def test_decode_steps_run_as_their_cache_chooses_and_give_the_same_tokens(two_th
         runs.append(out)
     assert torch.equal(runs[0].sequences, runs[1].sequences)
     torch.testing.assert_close(torch.stack(runs[0].scores), torch.stack(runs[1].scores))
+    # steps given inputs_embeds are steps too
+    cache = NPRFCache(model.config)
+    cache.thread_choice = nprf_cpu_threads.ThreadChoice(_StepClock(multi=2.0, single=1.0))
+    with torch.no_grad():
+        model(prompt, past_key_values=cache)
+        seen.clear()
+        for token in prompt[:, :3].T:
+            model(inputs_embeds=model.get_input_embeddings()(token[:, None]), past_key_values=cache)
+    assert seen == [2, 1, 1] and torch.get_num_threads() == 2
