@@ -131,7 +131,8 @@ class ThreadChoice:
     quiet, the second thread is worth 1.5x. So the steps are timed as they run: the faster way is used, and every
     `PROBE_EVERY`-th step runs the other way, to notice when the machine's load changes. A probe's step is taken as
     it is (fresh news of the way not in use); a step of the way in use is averaged with its estimate (one slow step,
-    a stall, does not send the next 31 steps the slower way; a busy core's steady 4-9x does at once). Only the calling thread's count changes, and only during a step (`single_threaded`)."""
+    a stall, does not send the next 31 steps the slower way; a busy core's steady 4-9x does at once). Only the
+    calling thread's count changes, and only during a step (`single_threaded`)."""
 
     PROBE_EVERY = 32
 
