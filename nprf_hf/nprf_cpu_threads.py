@@ -86,15 +86,24 @@ def available():
     return _controls() is not None
 
 
+def _controls_for(device):
+    """`_controls()` where a block on `device` can be made single-threaded: the CPU, not under torch.compile
+    (nothing to trace here: inductor's own loops are one region each), more than one thread; else None."""
+    if torch.device(device).type != "cpu" or torch.compiler.is_compiling():
+        return None
+    controls = _controls()
+    # get_num_threads also completes torch's per-thread init, which would otherwise undo a count set before it
+    return None if controls is None or torch.get_num_threads() == 1 else controls
+
+
 @contextlib.contextmanager
 def single_threaded(device):
     """The calling thread's CPU operators run on one thread inside the block (its OpenMP and MKL counts are put
     back after; other threads are unaffected). For loops of operators too small to split: each split is a
     parallel region whose barrier a busy core makes expensive. Does nothing for another device, under
-    torch.compile, or where `available()` is False."""
-    # compiled code: nothing to trace here (inductor's own loops are one region each)
-    controls = _controls() if torch.device(device).type == "cpu" and not torch.compiler.is_compiling() else None
-    if controls is None or torch.get_num_threads() == 1:  # get_num_threads also completes torch's per-thread init
+    torch.compile, with one thread, or where `available()` is False."""
+    controls = _controls_for(device)
+    if controls is None:
         yield
         return
     set_omp, get_omp, set_mkl = controls
@@ -156,8 +165,7 @@ class ThreadChoice:
         """A block run as one step: on one thread or all, as `single()` says, and timed. Changes nothing on another
         device, under torch.compile (whose graph is one region per fused loop), with one thread, or where
         `available()` is False."""
-        if (torch.device(device).type != "cpu" or torch.compiler.is_compiling() or not available()
-                or torch.get_num_threads() == 1):
+        if _controls_for(device) is None:
             yield
             return
         single = self.single()
