@@ -20,7 +20,7 @@ from .nprf_recurrent import (  # noqa: F401  (DECODE_BLOCK, recurrent_attention:
     recurrent_step,
 )
 from .nprf_terms import AttentionTerms
-from .options import QUADRATIC_VARIANTS
+from .options import KEY_VALUE_CACHE_VARIANTS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -257,6 +257,9 @@ class NPRFCacheMixin:
             [B, H, L, d] attention output (and the weights, with output_attentions).
         """
         terms = AttentionTerms() if terms is None else terms
+        if variant in KEY_VALUE_CACHE_VARIANTS:
+            raise ValueError(f"NPRFCache's running sums hold features: attention_variant={variant!r} decodes with "
+                             "cache_implementation='dynamic' (the default for it)")
         if terms.pair_terms:
             raise ValueError(f"NPRFCache's recurrent state applies feature terms only, not {terms.pair_terms[0].name}")
         terms.check(query.shape[0], query.shape[1], query.shape[2], True, variant)
@@ -390,8 +393,9 @@ def default_decoder_cache(config, cross_attention=False, static=False, max_cache
     """The cache an NPRF decoder uses when none is given: an NPRFCache for the self-attention (an NPRFStaticCache
     when `static`: a compileable decode step, keeping every key up to `max_cache_len` if given), with a
     DynamicCache for HF's softmax cross-attention when the decoder reads encoder states; for the exact (quadratic)
-    attention variants, whose kernel has no features to sum, HF's growing key/value cache."""
-    if config.attention_variant in QUADRATIC_VARIANTS:
+    attention variants and the exact near field, whose kernels are not all features to sum, HF's growing key/value
+    cache."""
+    if config.attention_variant in KEY_VALUE_CACHE_VARIANTS:
         cache = DynamicCache(config=config)
     else:
         cache = NPRFStaticCache(config, max_cache_len) if static else NPRFCache(config)
@@ -436,7 +440,7 @@ class NPRFGenerationMixin:
         assisted = getattr(generation_mode, "value", generation_mode) == "assisted_generation"
         assisted = assisted or generation_config.is_assistant
         builds = model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False
-        if builds and implementation == "static" and (assisted or self.config.attention_variant in QUADRATIC_VARIANTS):
+        if builds and implementation == "static" and (assisted or self.config.attention_variant in KEY_VALUE_CACHE_VARIANTS):
             reason = "assisted generation rolls the cache back, which the far sums S, z cannot" if assisted else (
                 f"attention_variant={self.config.attention_variant!r} weighs every past key (no constant-size state)")
             raise ValueError(f"cache_implementation='static' (NPRFStaticCache) cannot serve this call: {reason}; use "

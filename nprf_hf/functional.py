@@ -53,7 +53,8 @@ from .nprf_positions import (  # noqa: F401  (the bias helpers: public here)
 )
 from .nprf_terms import AttentionTerms
 from .options import ALGORITHMS  # noqa: F401  (the PyTorch algorithms: read here by tests and benchmarks)
-from .options import ATTENTION_ALGORITHMS, ATTENTION_VARIANTS, QUADRATIC_VARIANTS
+from .nprf_near_field import near_field_correction, near_field_kernel
+from .options import ATTENTION_ALGORITHMS, ATTENTION_VARIANTS, NEAR_FIELD_VARIANTS, QUADRATIC_VARIANTS
 
 
 def nprf_attention(
@@ -75,6 +76,7 @@ def nprf_attention(
     num_segments: Optional[int] = None,
     variant: str = "nprf",
     terms: Optional[AttentionTerms] = None,
+    near_field_width: Optional[int] = None,
 ):
     """Normalized positive random feature attention with a relative position bias.
 
@@ -115,10 +117,14 @@ def nprf_attention(
             `type_vocab_size`). Only read under torch.compile, where the segments present cannot be read
             on the host: one product per possible segment then (an absent segment adds exact zeros).
         variant: one of `options.ATTENTION_VARIANTS`: "nprf" (the above); "prf" and "elu_linear" replace the
-            feature map (same algorithms and terms); "normalized_softmax" and "softmax" compute the exact kernels
+            feature map (same algorithms and terms); "nprf_near" weighs the pairs with |j - i| < near_field_width
+            by the exact kernel exp(s q_hat . k_hat) and the rest by NPRF's estimate (`nprf_near_field`; every
+            PyTorch algorithm, linear cost); "normalized_softmax" and "softmax" compute the exact kernels
             exp(s q_hat . k_hat) and exp(q . k / sqrt(d)) from the n x n weights (`nprf_attention_weights`).
         terms: the optional terms as one `nprf_terms.AttentionTerms` (what the models pass), instead of the
             keyword pairs logit_scale, segment_ids / segment_bias, token_ids / match_weight and num_segments.
+        near_field_width: variant "nprf_near": the pairs with |j - i| below it use the exact kernel; None = the
+            band width (given, or inferred from the bias).
     Returns:
         [B, H, n, d_v]. Queries with no key to attend to give zeros.
     """
@@ -128,7 +134,7 @@ def nprf_attention(
         terms = _terms(terms, logit_scale, segment_ids, segment_bias, token_ids, match_weight, num_segments)
         return _attention(
             query, key, value, rpe_bias, projection, key_padding_mask, algorithm, causal, band_width, terms, recompute,
-            variant,
+            variant, near_field_width,
         )
 
 
@@ -144,10 +150,10 @@ def _terms(terms, logit_scale, segment_ids, segment_bias, token_ids, match_weigh
 
 
 def _attention(query, key, value, rpe_bias, projection, key_padding_mask, algorithm, causal, band_width, terms, recompute,
-               variant):
+               variant, near_field_width=None):
     """`nprf_attention` (its arguments, the terms as one object), autocast off."""
     batch, heads, n, head_dim = _check_inputs(query, key, value, rpe_bias, projection, key_padding_mask, algorithm)
-    _check_variant(variant, algorithm)
+    _check_variant(variant, algorithm, near_field_width)
     terms.check(batch, heads, n, causal, variant)
     if variant in QUADRATIC_VARIANTS:
         weights = _attention_weights(query, key, rpe_bias, projection, key_padding_mask, causal, terms, variant)
@@ -157,7 +163,8 @@ def _attention(query, key, value, rpe_bias, projection, key_padding_mask, algori
     with single_threaded(query.device):  # [H, 2n - 1] biases: operators too small to split (each split a barrier)
         rpe_bias = rpe_bias.to(dtype)
         call = AttentionCall(query, key, value, rpe_bias, masked_bias(rpe_bias, n, causal), projection,
-                             key_padding_mask, terms, causal, variant, band_width, recompute)
+                             key_padding_mask, terms, causal, variant, band_width, recompute,
+                             near_field_width=near_field_width)
         route = choose_route(call, algorithm)
     return attention_in_items(call, route, _run)
 
@@ -178,6 +185,11 @@ def _nprf_attention(call, route):
         valid = rows_with_keys(mask, causal)
     value = call.value.to(dtype)
     logit_scale = terms.logit_scale
+    near = call.variant in NEAR_FIELD_VARIANTS
+    near_width = (call.near_field_width or route.band_width or infer_band_width(call.bias.detach(), n)) if near else None
+    if near and route.algorithm == "dense":  # the n x n kernel with the band exact: every term as in the weights
+        weights = _weights(query, key, call.bias, call.projection, mask, causal, terms, call.variant, near_width)
+        return (weights @ value).to(query.dtype)
     # Without autograd through the product's own inputs (the features read the mask too), its "inference" row. Only
     # those count here, not the route's: a training segment bias or match weight multiplies the product's output
     # and needs no graph inside it.
@@ -189,13 +201,17 @@ def _nprf_attention(call, route):
     lengths = key_lengths(mask, batch, n) if product.in_cache else None  # (a host sync)
     phi_q, phi_k = query_key_features(query, key, call.projection, mask, dtype, logit_scale, product.head_major,
                                       call.variant)
-    if product.in_cache and not terms.pair_terms:  # the product alone: it divides in cache too
+    if product.in_cache and not terms.pair_terms and not near:  # the product alone: it divides in cache too
         return product.run(ToeplitzCall(phi_q, phi_k, value, c, lengths=lengths, normalized=True)).to(query.dtype)
     u = values_and_ones(value) if product.reads_u else None
     out = terms.product(
         lambda keys: product.run(ToeplitzCall(phi_q, keys, value, c, u, causal, route.band_width, lengths)),
         phi_q, phi_k, lambda: values_and_ones(value) if u is None else u, shift, route.algorithm, dtype,
     )
+    if near:  # the band's pairs: the exact kernel in place of the estimate
+        u = values_and_ones(value) if u is None else u
+        out = out + near_field_correction(query, key, phi_q, phi_k, u, c, near_width, causal, mask, logit_scale, terms,
+                                          shift, dtype)
     in_place = not (torch.is_grad_enabled() and out.requires_grad)  # inference: no new [B, H, n, d_v] tensor
     return normalize_attention(out[..., :-1], out[..., -1:], valid, in_place).to(query.dtype)
 
@@ -214,6 +230,7 @@ def nprf_attention_weights(
     match_weight=None,
     variant="nprf",
     terms: Optional[AttentionTerms] = None,
+    near_field_width: Optional[int] = None,
 ):
     """The attention matrix implied by `nprf_attention` (same arguments), computed densely.
 
@@ -223,30 +240,47 @@ def nprf_attention_weights(
     """
     with torch.autocast(query.device.type, enabled=False):
         batch, heads, n, _ = _check_inputs(query, key, key, rpe_bias, projection, key_padding_mask, "dense")
-        _check_variant(variant, "dense")
+        _check_variant(variant, "dense", near_field_width)
         terms = _terms(terms, logit_scale, segment_ids, segment_bias, token_ids, match_weight, None)
         terms.check(batch, heads, n, causal, variant)
-        return _attention_weights(query, key, rpe_bias, projection, key_padding_mask, causal, terms, variant)
+        return _attention_weights(query, key, rpe_bias, projection, key_padding_mask, causal, terms, variant,
+                                  near_field_width)
 
 
-def _attention_weights(query, key, rpe_bias, projection, key_padding_mask, causal, terms, variant):
+def _attention_weights(query, key, rpe_bias, projection, key_padding_mask, causal, terms, variant, near_field_width=None):
     """`nprf_attention_weights` once its inputs are checked."""
     n = query.shape[-2]
     dtype = compute_dtype(query.dtype)
     mask = None if key_padding_mask is None else key_padding_mask.to(device=query.device, dtype=dtype)
-    c, shift = toeplitz_coefficients(masked_bias(rpe_bias.to(dtype), n, causal))
+    bias = masked_bias(rpe_bias.to(dtype), n, causal)
+    if variant in NEAR_FIELD_VARIANTS and near_field_width is None:
+        near_field_width = infer_band_width(rpe_bias.detach(), n)
+    return _weights(query, key, bias, projection, mask, causal, terms, variant, near_field_width).to(query.dtype)
+
+
+def _weights(query, key, bias, projection, mask, causal, terms, variant, near_field_width):
+    """[B, H, n, n] row-normalized weights in the compute dtype, from the (causally masked) bias [H, 2n - 1] and the
+    float mask [B, n] or None."""
+    n = query.shape[-2]
+    dtype = compute_dtype(query.dtype)
+    c, shift = toeplitz_coefficients(bias)
     if variant in QUADRATIC_VARIANTS:
         kernel = exact_kernel(query.to(dtype), key.to(dtype), mask, causal, terms.logit_scale, variant)
     else:
         phi_q, phi_k = query_key_features(query, key, projection, mask, dtype, terms.logit_scale, variant=variant)
         kernel = phi_q @ phi_k.transpose(-1, -2)
+        if variant in NEAR_FIELD_VARIANTS:
+            kernel = near_field_kernel(query.to(dtype), key.to(dtype), phi_q, phi_k, mask, terms.logit_scale,
+                                       near_field_width)
     weights = terms.weights(kernel, toeplitz_matrix(c, n), shift, dtype)
-    return normalize_attention(weights, weights.sum(-1, keepdim=True)).to(query.dtype)
+    return normalize_attention(weights, weights.sum(-1, keepdim=True))
 
 
-def _check_variant(variant, algorithm):
+def _check_variant(variant, algorithm, near_field_width=None):
     if variant not in ATTENTION_VARIANTS:
         raise ValueError(f"variant={variant!r} is not supported; allowed: one of {', '.join(ATTENTION_VARIANTS)}")
+    if near_field_width is not None and (not isinstance(near_field_width, int) or near_field_width < 1):
+        raise ValueError(f"near_field_width must be a positive integer (None: the band width), got {near_field_width!r}")
     if variant in QUADRATIC_VARIANTS and algorithm not in ("auto", "dense"):
         raise ValueError(f"variant={variant!r} is computed from the dense n x n weights: algorithm must be auto or dense")
 

@@ -329,6 +329,11 @@ class NPRFSelfAttention(nn.Module):
         """[H] per-head scale s of the normalized content logits, or None (s = 1, the paper's NPRF)."""
         return self.attention_terms().logit_scale
 
+    @property
+    def near_field_width(self):
+        """W of the exact near field (attention_variant "nprf_near"): config.near_field_width, 0 meaning the RPE band."""
+        return self.config.near_field_width or self.band_width
+
     def attention_terms(self, segment_ids=None, token_ids=None):
         """This layer's optional terms for one forward (`nprf_terms.AttentionTerms`), from its parameters and
         the inputs the base model derives once per forward (`term_inputs`)."""
@@ -487,6 +492,7 @@ class NPRFSelfAttention(nn.Module):
                 causal=self.is_causal,
                 variant=self.config.attention_variant,
                 terms=terms,
+                near_field_width=self.near_field_width,
             )[:, :, first:]
             attn_output = (attn_weights.to(value.dtype) @ value).to(value.dtype)
         elif general_mask is None:
@@ -503,6 +509,7 @@ class NPRFSelfAttention(nn.Module):
                 recompute=RECOMPUTE_MODES[self.config.attention_recompute],
                 variant=self.config.attention_variant,
                 terms=terms,
+                near_field_width=self.near_field_width,
             )[:, :, first:]
         else:
             # Exact for any mask: restrict the unmasked weights to the allowed keys and renormalize, in
@@ -510,7 +517,7 @@ class NPRFSelfAttention(nn.Module):
             compute_dtype = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
             weights = nprf_attention_weights(
                 query.to(compute_dtype), key.to(compute_dtype), rpe_bias, self.projection,
-                variant=self.config.attention_variant, terms=terms,
+                variant=self.config.attention_variant, terms=terms, near_field_width=self.near_field_width,
             )
             weights = weights[:, :, first:] * general_mask
             attn_weights = normalize_attention(weights, weights.sum(-1, keepdim=True))

@@ -19,6 +19,7 @@ from .nprf_features import compute_dtype
 from .nprf_fft import fft_kernel, fft_toeplitz_attention, fft_toeplitz_inference
 from .nprf_positions import infer_band_width
 from .nprf_triton import disable_triton, log_fallback_once, triton_attention, triton_cannot_run, triton_unfused
+from .options import NEAR_FIELD_VARIANTS
 
 
 class Crossovers(NamedTuple):
@@ -147,6 +148,7 @@ class AttentionCall(NamedTuple):
     recompute: Optional[bool]  # as given
     # the lean mode keeps its output for backward unless its caller does (`nprf_cpu_split`: one kept output per call)
     output_kept_outside: bool = False
+    near_field_width: Optional[int] = None  # variant "nprf_near": as given (None: the band width)
 
 
 class Route(NamedTuple):
@@ -247,7 +249,9 @@ def choose_route(call, requested):
     mode = "autograd"
     # (not under torch.compile, whose partitioner decides itself what backward recomputes; the kernels keep no features)
     if backend == "torch" and recompute and needs_grad and not torch.compiler.is_compiling():
-        lean = (backend, algorithm, "recompute") in PRODUCTS and not terms.product_value_read()
+        # (the lean row computes the features' product alone: the near field's band runs in the pipeline)
+        lean = (backend, algorithm, "recompute") in PRODUCTS and not terms.product_value_read() and (
+            call.variant not in NEAR_FIELD_VARIANTS)
         mode = "recompute" if lean else "checkpoint"
     return Route(backend, algorithm, mode, band_width, requested)
 

@@ -144,7 +144,7 @@ def variant_features(x, projection, variant="nprf", logit_scale=None):
     """phi(x) [B, H, n, m] of a variant whose kernel factors into features, for x [B, H, n, d] in a float dtype:
     "nprf": phi(sqrt(s) x / |x|) (`normalized_features`); "prf": phi(x d^(-1/4)) (Performer: the estimate of
     exp(q . k / sqrt(d)), not normalized); "elu_linear": elu(x) + 1 (m = d, no projection)."""
-    if variant == "nprf":
+    if variant in ("nprf", "nprf_near"):  # (the near field's far part)
         return normalized_features(x, projection, logit_scale)
     if variant == "prf":
         return positive_random_features(x * x.shape[-1] ** -0.25, projection)
@@ -156,7 +156,7 @@ def variant_features(x, projection, variant="nprf", logit_scale=None):
 def query_key_features(query, key, projection, mask, dtype, logit_scale=None, head_major=False, variant="nprf"):
     """phi(q_hat), phi(k_hat) [B, H, n, m] in `dtype` (the variant's feature map), padded keys zeroed (after the
     map: phi(0) != 0)."""
-    if variant == "nprf":
+    if variant in ("nprf", "nprf_near"):
         phi_q = normalized_features(query.to(dtype), projection, logit_scale, head_major)
         phi_k = normalized_features(key.to(dtype), projection, logit_scale, head_major)
     else:

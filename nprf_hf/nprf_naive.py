@@ -8,7 +8,8 @@ n x n matrices, sharing no code with the algorithms it checks (`functional`). Sl
 for the keys j that are kept (padding) and allowed (j <= i when causal); rows with no such key are zero.
 kappa per variant: phi(q_hat) . phi(k_hat) ("nprf", q_hat = sqrt(s) q / |q|), phi(q d^-1/4) . phi(k d^-1/4)
 ("prf"), (elu(q) + 1) . (elu(k) + 1) ("elu_linear"), exp(s q_hat . k_hat / ...) ("normalized_softmax": the kernel
-NPRF estimates), exp(q . k / sqrt(d)) ("softmax"); phi(x) = exp(W x - |x|^2 / 2) / sqrt(m).
+NPRF estimates), exp(q . k / sqrt(d)) ("softmax"); phi(x) = exp(W x - |x|^2 / 2) / sqrt(m). "nprf_near": the exact
+exp(q_hat . k_hat) for |j - i| < near_field_width, phi(q_hat) . phi(k_hat) beyond.
 """
 
 import math
@@ -18,16 +19,16 @@ import torch
 
 def naive_attention_weights(query, key, rpe_bias, projection=None, key_padding_mask=None, causal=False,
                             logit_scale=None, segment_ids=None, segment_bias=None, token_ids=None, match_weight=None,
-                            variant="nprf", first_key_bias=None):
+                            variant="nprf", first_key_bias=None, near_field_width=None):
     """[B, H, n, n] float64 row-normalized weights; arguments as `functional.nprf_attention`."""
     q, k, bias = (t.double() for t in (query, key, rpe_bias))
     batch, heads, n, d = q.shape
-    if variant in ("nprf", "normalized_softmax"):
+    if variant in ("nprf", "nprf_near", "normalized_softmax"):
         q, k = q / q.norm(dim=-1, keepdim=True), k / k.norm(dim=-1, keepdim=True)
         if logit_scale is not None:
             root = logit_scale.double().sqrt()[:, None, None]
             q, k = q * root, k * root
-    if variant in ("nprf", "prf"):
+    if variant in ("nprf", "nprf_near", "prf"):
         if variant == "prf":
             q, k = q * d ** -0.25, k * d ** -0.25
         w = projection.double()
@@ -36,6 +37,10 @@ def naive_attention_weights(query, key, rpe_bias, projection=None, key_padding_m
         phi_q = torch.exp(torch.einsum("bhnd,hmd->bhnm", q, w) - 0.5 * q.square().sum(-1, keepdim=True)) / math.sqrt(m)
         phi_k = torch.exp(torch.einsum("bhnd,hmd->bhnm", k, w) - 0.5 * k.square().sum(-1, keepdim=True)) / math.sqrt(m)
         kernel = phi_q @ phi_k.transpose(-1, -2)
+        if variant == "nprf_near":
+            rows, cols = torch.meshgrid(torch.arange(n), torch.arange(n), indexing="ij")
+            near = ((cols - rows).abs() < near_field_width).to(q.device)
+            kernel = torch.where(near, torch.exp(q @ k.transpose(-1, -2)), kernel)
     elif variant == "elu_linear":
         kernel = (torch.nn.functional.elu(q) + 1) @ (torch.nn.functional.elu(k) + 1).transpose(-1, -2)
     elif variant == "normalized_softmax":

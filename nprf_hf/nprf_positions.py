@@ -151,3 +151,16 @@ def infer_band_width(bias, n):
     width_after = int(after.nonzero().max().item()) + 2 if bool(after.any()) else 1
     width_before = n - int(before.nonzero().min().item()) if bool(before.any()) else 1
     return max(width_after, width_before)
+
+
+def pair_ids(ids, pairs=None):
+    """(query side, key side) of per-token ids [B, n], broadcastable against weights [B, H, n, n] (pairs None) or
+    against the layout of `pairs` (query positions, key positions: index tensors broadcastable to each other)."""
+    if pairs is None:
+        return ids[:, None, :, None], ids[:, None, None, :]
+    return ids[:, pairs[0]].unsqueeze(1), ids[:, pairs[1]].unsqueeze(1)
+
+
+def per_head(values, like):
+    """values [H] shaped to broadcast against `like` [B, H, ...]."""
+    return values.view(-1, *([1] * (like.dim() - 2)))

@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .nprf_positions import pair_ids, per_head
 from .options import ATTENTION_VARIANTS, NORMALIZED_VARIANTS
 
 
@@ -150,12 +151,12 @@ class SegmentBias(AttentionTerm):
 
         return product, same
 
-    def factor_weights(self, weights, dtype):
-        """(weights [B, H, n, n] times the factor, its shift [H])."""
+    def factor_weights(self, weights, dtype, pairs=None):
+        """(weights [B, H, n, n] (or laid out as `pairs`: `AttentionTerms.weights`) times the factor, its shift)."""
         same, other = self.factors(dtype)
-        segment_ids = self.segment_ids.to(weights.device)
-        crossing = (segment_ids[:, :, None] != segment_ids[:, None, :])[:, None]  # [B, 1, n, n]
-        return weights * torch.where(crossing, other[:, None, None], same[:, None, None]), same
+        query_ids, key_ids = pair_ids(self.segment_ids.to(weights.device), pairs)
+        crossing = query_ids != key_ids  # [B, 1, n, n]
+        return weights * torch.where(crossing, per_head(other, weights), per_head(same, weights)), same
 
 
 class TokenMatch(AttentionTerm):
@@ -183,10 +184,11 @@ class TokenMatch(AttentionTerm):
         if not torch.compiler.is_compiling() and not bool((self.weight >= 0).all()):
             raise ValueError("match_weight must be >= 0 (it adds attention weight to matching tokens)")
 
-    def matches(self, device):
-        """[B, 1, n, n] bool: key j is query i's token in another segment."""
-        tokens, segments = self.token_ids.to(device), self.segment_ids.to(device)
-        return ((tokens[:, :, None] == tokens[:, None, :]) & (segments[:, :, None] != segments[:, None, :]))[:, None]
+    def matches(self, device, pairs=None):
+        """[B, 1, n, n] bool (or on the layout of `pairs`): key j is query i's token in another segment."""
+        query_tokens, key_tokens = pair_ids(self.token_ids.to(device), pairs)
+        query_segments, key_segments = pair_ids(self.segment_ids.to(device), pairs)
+        return (query_tokens == key_tokens) & (query_segments != key_segments)
 
     def summand_product(self, phi_q, phi_k, u, algorithm):
         """sum over keys j with t_j = t_i and s_j != s_i of (phi_q_i . phi_k_j) u_j: [B, H, n, e]. Where the
@@ -207,9 +209,9 @@ class TokenMatch(AttentionTerm):
         others = (totals[by_token] - parts[by_segment]).view(batch, n, heads, m, e)
         return torch.einsum("bhnm,bnhme->bhne", phi_q, others)
 
-    def summand_weights(self, kernel):
-        """[B, H, n, n]: the term's weights before mu."""
-        return kernel * self.matches(kernel.device)
+    def summand_weights(self, kernel, pairs=None):
+        """[B, H, n, n] (or on the layout of `pairs`): the term's weights before mu."""
+        return kernel * self.matches(kernel.device, pairs)
 
 
 class FirstTokenBias(AttentionTerm):
@@ -245,9 +247,10 @@ class FirstTokenBias(AttentionTerm):
 
         return product, _shifted_exp(self.bias.to(dtype))[0]
 
-    def factor_weights(self, weights, dtype):
-        factors, shift = self.key_factors(weights.shape[-1], dtype, weights.device)
-        return weights * factors[:, None, :], shift
+    def factor_weights(self, weights, dtype, pairs=None):
+        rest, first = _shifted_exp(self.bias.to(device=weights.device, dtype=dtype))
+        key_positions = torch.arange(weights.shape[-1], device=weights.device) if pairs is None else pairs[1]
+        return weights * torch.where(key_positions == 0, per_head(first, weights), per_head(rest, weights)), rest
 
 
 def _shifted_exp(bias):
@@ -375,16 +378,18 @@ class AttentionTerms:
                 out = out + term.summand_product(phi_q, phi_k, values_and_ones(), algorithm) * weight[:, None, None]
         return out
 
-    def weights(self, kernel, coefficients, shift, dtype):
-        """The dense weights with every term, [B, H, n, n], from the kernel [B, H, n, n] and C [H, n, n]."""
+    def weights(self, kernel, coefficients, shift, dtype, pairs=None):
+        """The dense weights with every term, [B, H, n, n], from the kernel [B, H, n, n] and C [H, n, n]; or laid
+        out as `pairs` (query, key positions broadcastable to the kernel's last dims: the near field's windows)."""
         weights, shifts = kernel * coefficients, [shift]
         for term in self.terms:
             if hasattr(term, "factor_weights"):
-                weights, factor_shift = term.factor_weights(weights, dtype)
+                weights, factor_shift = term.factor_weights(weights, dtype, pairs)
                 shifts.append(factor_shift)
         for term in self.terms:
             if hasattr(term, "summand_weights"):
-                weights = weights + term.summand_weights(kernel) * _shifted(term.weight.to(dtype), shifts)[:, None, None]
+                weight = per_head(_shifted(term.weight.to(dtype), shifts), kernel)
+                weights = weights + term.summand_weights(kernel, pairs) * weight
         return weights
 
 

@@ -20,12 +20,18 @@ ATTENTION_VARIANTS = {
     "nprf": "the paper's NPRF: random features of L2-normalized q, k (kernel exp(s q_hat . k_hat))",
     "prf": "Performer's PRF: random features of q, k scaled by d^(-1/4), not normalized (kernel exp(q . k / sqrt(d)))",
     "elu_linear": "linear attention with phi(x) = elu(x) + 1 (Katharopoulos et al. 2020)",
+    "nprf_near": "NPRF with an exact near field: the exact kernel exp(s q_hat . k_hat) for pairs closer than "
+                 "near_field_width (default: the RPE band), NPRF's random features beyond; linear cost",
     "normalized_softmax": "the exact kernel NPRF estimates: softmax(s q_hat . k_hat + b), dense",
     "softmax": "standard attention: softmax(q . k / sqrt(d) + b), dense",
 }
 QUADRATIC_VARIANTS = ("normalized_softmax", "softmax")  # computed from the n x n weights
-NORMALIZED_VARIANTS = ("nprf", "normalized_softmax")  # q, k L2-normalized: the logit scale applies
-PROJECTED_VARIANTS = ("nprf", "prf")  # features exp(W x ...): what a learned feature map trains
+# the exact kernel inside a band of pairs, NPRF's features beyond (`nprf_near_field`)
+NEAR_FIELD_VARIANTS = ("nprf_near",)
+# decoded with a key/value cache: the NPRF cache's running sums hold features only
+KEY_VALUE_CACHE_VARIANTS = QUADRATIC_VARIANTS + NEAR_FIELD_VARIANTS
+NORMALIZED_VARIANTS = ("nprf", "nprf_near", "normalized_softmax")  # q, k L2-normalized: the logit scale applies
+PROJECTED_VARIANTS = ("nprf", "nprf_near", "prf")  # features exp(W x ...): what a learned feature map trains
 FEATURE_MAPS = ("orf", "prf")
 ATTENTION_ALGORITHMS = ALGORITHMS + KERNEL_ALGORITHMS
 # attention_recompute -> `nprf_attention(recompute=...)`: auto (None) = the long-input algorithms only
@@ -181,6 +187,12 @@ NPRF_FIELDS = (
         check=lambda v: _is_number(v) and math.isfinite(v) and v <= 0,
         rule="0 (off: learned like the other buckets) or a finite negative number (e.g. -30: attention local to the band)",
         saved_with_weights=False,
+    ),
+    NPRFField(
+        "near_field_width", int, 0,
+        "attention_variant nprf_near: pairs with |j - i| below this use the exact kernel; 0 = the RPE band "
+        "(rpe_band_width: 91 for rpe_max_distance 128)",
+        check=lambda v: _is_int(v) and v >= 0, rule="an integer >= 0 (0 = the RPE band)", saved_with_weights=False,
     ),
     NPRFField(
         "attention_algorithm", str, "auto", "exact algorithm of the Toeplitz product; auto picks by length",

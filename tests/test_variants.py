@@ -14,6 +14,7 @@ from nprf_hf.options import ATTENTION_VARIANTS
 
 LINEAR = ("nprf", "prf", "elu_linear")  # kernels factored into features: every exact algorithm applies
 QUADRATIC = ("normalized_softmax", "softmax")  # the exact kernels, computed densely
+NEAR = ("nprf_near",)  # the exact kernel inside a band, features beyond (tests/test_near_field.py)
 
 
 def reference_variant(query, key, value, bias, projection, variant, mask=None, causal=False, logit_scale=None,
@@ -40,7 +41,7 @@ def small_chunks(monkeypatch):
 
 
 def test_variants_are_declared_once():
-    assert set(ATTENTION_VARIANTS) == set(LINEAR) | set(QUADRATIC)
+    assert set(ATTENTION_VARIANTS) == set(LINEAR) | set(QUADRATIC) | set(NEAR)
     assert nprf_hf.NPRFRobertaConfig().attention_variant == "nprf"
     assert nprf_hf.NPRFRobertaConfig().relative_position_bias is True
     with pytest.raises(ValueError, match="attention_variant must be one of"):
