@@ -1,7 +1,7 @@
 # Copyright 2025 The nprf-hf authors. Licensed under the Apache License, Version 2.0.
 """What `run_glue.py` (Trainer) and `run_glue_no_trainer.py` (Accelerate) share beyond the GLUE data and
-metrics (those are `nprf_hf.glue`): running a script so that a `UsageError` is one line and exit code 2, the
-checks of their arguments, `--convert_to_nprf` (conversion, then attention transfer), `--rpe_learning_rate`, and
+metrics (those are `nprf_hf.glue`): running a script so that a `UsageError` (or a source that is nowhere) is one
+line and exit code 2 and a failed push one line and exit code 1, the checks of their arguments, the push at the end, `--convert_to_nprf` (conversion, then attention transfer), `--rpe_learning_rate`, and
 quiet logs on every process but the main one.
 
 The scripts import this module from their own folder; it takes their parsed arguments and sits above the
@@ -14,8 +14,9 @@ import os
 import sys
 from typing import Optional
 
-from nprf_hf.checkpoint_files import check_local_path, write_transfer_report
+from nprf_hf.checkpoint_files import write_transfer_report
 from nprf_hf.glue import UsageError
+from nprf_hf.hub import PushError, SourceNotFoundError, check_load_source
 from nprf_hf.options import GLUE_TRANSFER_OPTIONS
 
 
@@ -23,23 +24,25 @@ logger = logging.getLogger(__name__)
 
 
 def run_script(main, prog, argv=None):
-    """Run a GLUE script's `main(argv)`; a `UsageError` prints `prog: error: ...` to stderr and exits 2."""
+    """Run a GLUE script's `main(argv)`: a `UsageError` or `SourceNotFoundError` prints `prog: error: ...` to stderr
+    and exits 2; a `PushError` (the run is saved, the Hub failed) prints its line and exits 1."""
     try:
         return main(argv)
-    except UsageError as error:
+    except (UsageError, SourceNotFoundError) as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+    except PushError as error:
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
-def check_model_path(*values):
-    """UsageError for a model / config / tokenizer argument that looks like a local path and does not exist
-    (otherwise HF says "Repo id must use alphanumeric chars", or retries an unreachable Hub)."""
+def check_model_path(*values, **hub_kwargs):
+    """`SourceNotFoundError` for a model / config / tokenizer argument that is neither an existing path nor a Hub
+    model (in the cache, or on the Hub; hub_kwargs: revision, cache_dir, token): otherwise HF says "Repo id must
+    use alphanumeric chars", or retries an unreachable Hub for half a minute."""
     for value in values:
         if value is not None:
-            try:
-                check_local_path(value)
-            except FileNotFoundError as error:
-                raise UsageError(str(error)) from None
+            check_load_source(value, **hub_kwargs)
 
 
 def set_rpe_learning_rate(optimizer, model, learning_rate: float):

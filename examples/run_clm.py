@@ -30,6 +30,12 @@ import os
 import sys
 import time
 
+try:
+    import nprf_hf  # noqa: F401  (lazy: torch and transformers come later)
+except ImportError:  # running from a source checkout without `pip install -e .`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from nprf_hf.hub import SourceNotFoundError, check_load_source
+
 
 # fresh decoders: --model_type -> the family whose classes build it (the NPRF one is registered by nprf_hf)
 FRESH_MODEL_TYPES = ("nprf_roberta", "roberta", "nprf_xlm-roberta", "xlm-roberta")
@@ -87,6 +93,11 @@ def parse_args(argv=None):
             parser.error(f"--{name} {getattr(args, name)}: no such file")
     if args.block_size < 2 or args.max_steps < 1 or args.per_device_train_batch_size < 1 or args.learning_rate <= 0:
         parser.error("need --block_size >= 2, --max_steps >= 1, --per_device_train_batch_size >= 1, --learning_rate > 0")
+    for option in ("model_name_or_path", "tokenizer_name"):
+        try:  # a source that is nowhere: one line now, not a network error after seconds of imports
+            check_load_source(getattr(args, option))
+        except SourceNotFoundError as error:
+            parser.exit(2, f"{parser.prog}: error: --{option}: {error}\n")
     from nprf_hf.checkpoint_files import check_output_dir
 
     try:

@@ -20,7 +20,8 @@ Data: `--task_name` (one of the nine GLUE tasks) from the Hub (`nyu-mll/glue`), 
         --do_train --do_eval --output_dir out/sst2
 
 Runs under `accelerate launch` / `torchrun` too. Writes `eval_results.json` (and `all_results.json`)
-into `--output_dir`.
+into `--output_dir`. `--push_to_hub` uploads once, last, what is saved there (an NPRF model with its remote code and
+NPRF model card); if the Hub fails, the run ends with one line naming the `nprf-hf push` command that sends it later.
 """
 
 import logging
@@ -29,7 +30,16 @@ import sys
 from dataclasses import dataclass, field, make_dataclass
 from typing import Optional
 
-import transformers
+try:
+    import nprf_hf  # noqa: F401
+except ImportError:  # running from a source checkout without `pip install -e .`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from nprf_hf.hub import exit_if_missing_source
+
+if __name__ == "__main__":  # a model that is nowhere: one line now, not after seconds of imports
+    exit_if_missing_source("run_glue.py", ("--model_name_or_path", "--config_name", "--tokenizer_name"))
+
+import transformers  # noqa: E402
 from transformers import (
     AutoConfig,
     AutoModelForSequenceClassification,
@@ -42,16 +52,12 @@ from transformers import (
     set_seed,
 )
 
-try:
-    from nprf_hf import glue
-except ImportError:  # running from a source checkout without `pip install -e .`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from nprf_hf import glue
+from nprf_hf import glue  # noqa: E402
 if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # glue_scripts.py beside this script
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import glue_scripts  # noqa: E402
-from nprf_hf.modelcard import push_nprf_to_hub, write_nprf_card
-from nprf_hf.options import GLUE_TRANSFER_OPTIONS, TRANSFER_DEFAULTS, TRANSFER_OPTIONS
+from nprf_hf.modelcard import push_saved_model, script_card_kwargs, write_nprf_card  # noqa: E402
+from nprf_hf.options import GLUE_TRANSFER_OPTIONS, TRANSFER_DEFAULTS, TRANSFER_OPTIONS  # noqa: E402
 
 
 logger = logging.getLogger(__name__)
@@ -200,7 +206,10 @@ def load_model_and_tokenizer(model_args, num_labels, task_name):
 
 def main(argv=None):
     model_args, data_args, training_args = parse_args(argv)
-    glue_scripts.check_model_path(model_args.model_name_or_path, model_args.config_name, model_args.tokenizer_name)
+    glue_scripts.check_model_path(
+        model_args.model_name_or_path, model_args.config_name, model_args.tokenizer_name,
+        revision=model_args.model_revision, cache_dir=model_args.cache_dir, token=model_args.token,
+    )
 
     logging.basicConfig(
         format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
@@ -304,11 +313,10 @@ def main(argv=None):
     # steps. Sequence-classification heads return a per-batch mean, so turn that off.
     model.accepts_loss_kwargs = False
 
-    # An NPRF model is pushed once at the end, with its remote code and an NPRF model card; the
-    # Trainer's own pushes would upload transformers' generic card.
-    push_nprf = training_args.push_to_hub and model.config.model_type.startswith("nprf_")
-    if push_nprf:
-        training_args.push_to_hub = False
+    # Pushed once, last, once everything is saved (push_saved_model): the Trainer's own pushes would create the
+    # repository before training (a Hub that is down ends the run before it starts), push on every save, and give an
+    # NPRF model transformers' generic card.
+    push, training_args.push_to_hub = training_args.push_to_hub, False
 
     trainer = RPETrainer(
         model=model,
@@ -380,21 +388,20 @@ def main(argv=None):
     kwargs = {"finetuned_from": model_args.model_name_or_path, "tasks": "text-classification"}
     if info.task_name is not None:
         kwargs.update(language="en", dataset_tags="glue", dataset_args=info.task_name, dataset=f"GLUE {info.task_name.upper()}")
-    if push_nprf:
-        if trainer.is_world_process_zero():
-            repo_id = training_args.hub_model_id or os.path.basename(os.path.abspath(training_args.output_dir))
-            base_model = None if os.path.isdir(model_args.model_name_or_path) else model_args.model_name_or_path
-            push_nprf_to_hub(
-                training_args.output_dir, repo_id, card_kwargs={"task_name": info.task_name, "base_model": base_model},
-                token=training_args.hub_token,
-            )
-    elif training_args.push_to_hub:
-        trainer.push_to_hub(**kwargs)
-    elif training_args.do_train and not write_nprf_card(
+    if push and not training_args.do_train:
+        trainer.save_model()  # what is pushed is what is saved
+    if (push or training_args.do_train) and not write_nprf_card(
         training_args.output_dir, model, info.task_name, model_args.model_name_or_path,
         main_process=trainer.is_world_process_zero(),
     ):
         trainer.create_model_card(**kwargs)
+    if push and trainer.is_world_process_zero():
+        push_saved_model(
+            training_args.output_dir, training_args.hub_model_id or os.path.basename(os.path.abspath(training_args.output_dir)),
+            card_kwargs=script_card_kwargs(training_args.output_dir, info.task_name, model_args.model_name_or_path),
+            token=training_args.hub_token, private=training_args.hub_private_repo, revision=training_args.hub_revision,
+            commit_message="End of training",
+        )
     return combined if training_args.do_eval else None
 
 

@@ -4,7 +4,8 @@
 
 Shaped like transformers' `run_glue_no_trainer.py`; the data and metric code is `nprf_hf.glue`, and
 what it shares with `run_glue.py` beyond them is `glue_scripts.py` beside it. Gradient accumulation, `--mixed_precision`, checkpoints
-(`--checkpointing_steps N|epoch`, `--resume_from_checkpoint DIR|latest`) and `--push_to_hub`.
+(`--checkpointing_steps N|epoch`, `--resume_from_checkpoint DIR|latest`) and `--push_to_hub` (once, last, what
+`--output_dir` holds: if the Hub fails, one line names the `nprf-hf push` command that sends it later).
 
     accelerate launch examples/run_glue_no_trainer.py --model_name_or_path <bert dir> \
         --convert_to_nprf --task_name sst2 --glue_dir ../shared/data/glue --output_dir out/sst2
@@ -21,7 +22,16 @@ import os
 import re
 import sys
 
-import datasets
+try:
+    import nprf_hf  # noqa: F401
+except ImportError:  # running from a source checkout without `pip install -e .`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from nprf_hf.hub import exit_if_missing_source
+
+if __name__ == "__main__":  # a model that is nowhere: one line now, not after seconds of imports
+    exit_if_missing_source("run_glue_no_trainer.py", ("--model_name_or_path", "--tokenizer_name"))
+
+import datasets  # noqa: E402
 import torch
 import transformers
 from accelerate import Accelerator
@@ -39,16 +49,12 @@ from transformers import (
     get_scheduler,
 )
 
-try:
-    from nprf_hf import glue
-except ImportError:  # running from a source checkout without `pip install -e .`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from nprf_hf import glue
+from nprf_hf import glue  # noqa: E402
 if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # glue_scripts.py beside this script
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import glue_scripts  # noqa: E402
-from nprf_hf.modelcard import push_nprf_to_hub, write_nprf_card
-from nprf_hf.options import GLUE_TRANSFER_OPTIONS, TRANSFER_DEFAULTS, TRANSFER_OPTIONS
+from nprf_hf.modelcard import push_saved_model, script_card_kwargs, write_nprf_card  # noqa: E402
+from nprf_hf.options import GLUE_TRANSFER_OPTIONS, TRANSFER_DEFAULTS, TRANSFER_OPTIONS  # noqa: E402
 
 
 logger = get_logger(__name__)
@@ -198,16 +204,8 @@ def main(argv=None):
 
     set_seed(args.seed)
 
-    api = repo_id = None
-    if accelerator.is_main_process:
-        if args.push_to_hub:
-            from huggingface_hub import HfApi
-
-            api = HfApi(token=args.hub_token)
-            repo_id = args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir))
-            repo_id = api.create_repo(repo_id, exist_ok=True).repo_id
-        if args.output_dir is not None:
-            os.makedirs(args.output_dir, exist_ok=True)
+    if accelerator.is_main_process and args.output_dir is not None:
+        os.makedirs(args.output_dir, exist_ok=True)
     accelerator.wait_for_everyone()
 
     # Data: the same columns from the Hub, a glue_data directory or local files.
@@ -418,22 +416,16 @@ def main(argv=None):
                 f"(process {accelerator.process_index} of {accelerator.num_processes})",
                 main_process_only=False,
             )
-            if args.push_to_hub and unwrapped_model.config.model_type.startswith("nprf_"):
-                push_nprf_to_hub(
-                    args.output_dir, repo_id, card_kwargs={"task_name": info.task_name},
-                    token=args.hub_token, commit_message="End of training",
-                )
-            else:
-                write_nprf_card(args.output_dir, unwrapped_model, info.task_name, args.model_name_or_path)
-            if args.push_to_hub and not unwrapped_model.config.model_type.startswith("nprf_"):
-                api.upload_folder(
-                    repo_id=repo_id,
-                    folder_path=args.output_dir,
-                    commit_message="End of training",
-                    ignore_patterns=["step_*", "epoch_*"],
-                )
+            write_nprf_card(args.output_dir, unwrapped_model, info.task_name, args.model_name_or_path)
         accelerator.wait_for_everyone()
     accelerator.end_training()
+    # last, once everything is saved and the processes are done with each other: a Hub that fails loses nothing
+    if args.push_to_hub and accelerator.is_main_process:
+        push_saved_model(
+            args.output_dir, args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir)),
+            card_kwargs=script_card_kwargs(args.output_dir, info.task_name, args.model_name_or_path),
+            token=args.hub_token, commit_message="End of training",
+        )
     return all_metrics
 
 

@@ -15,6 +15,8 @@ the same masked tokens; `eval_results.json` holds eval_loss and perplexity.
     python examples/run_mlm.py --model_name_or_path bert-dir --convert_to_nprf --rpe_init calibrated ...
 
 Resume with `--resume_from_checkpoint runs/mlm/checkpoint-200` (or `last`: the newest in output_dir).
+`--push_to_hub` uploads once, last, what `--output_dir` holds (an NPRF model with its NPRF model card); if the Hub
+fails, the run ends with one line naming the `nprf-hf push` command that sends it later.
 """
 
 import hashlib
@@ -26,11 +28,20 @@ import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
-import torch
-from datasets import load_dataset
+try:
+    import nprf_hf  # noqa: F401
+except ImportError:  # running from a source checkout without `pip install -e .`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from nprf_hf.hub import PushError, SourceNotFoundError, check_load_source, exit_if_missing_source
 
-import transformers
-from transformers import (
+if __name__ == "__main__":  # a model that is nowhere: one line now, not after seconds of imports
+    exit_if_missing_source("run_mlm.py", ("--model_name_or_path", "--config_name", "--tokenizer_name"))
+
+import torch  # noqa: E402
+from datasets import load_dataset  # noqa: E402
+
+import transformers  # noqa: E402
+from transformers import (  # noqa: E402
     AutoConfig,
     AutoModelForMaskedLM,
     AutoTokenizer,
@@ -41,9 +52,10 @@ from transformers import (
     default_data_collator,
     set_seed,
 )
-from transformers.trainer_utils import get_last_checkpoint
+from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
-from nprf_hf.families import position_offset
+from nprf_hf.families import position_offset  # noqa: E402
+from nprf_hf.modelcard import push_saved_model, script_card_kwargs  # noqa: E402
 
 
 logger = logging.getLogger(__name__)
@@ -213,6 +225,8 @@ def main(argv=None):
     elif resume is not None and not os.path.isdir(resume):
         raise ValueError(f"--resume_from_checkpoint {resume}: not a directory")
 
+    for source in (model_args.model_name_or_path, model_args.config_name, model_args.tokenizer_name):
+        check_load_source(source)  # a source that is nowhere: SourceNotFoundError now, not a network error later
     set_seed(training_args.seed)
     tokenizer_source = model_args.tokenizer_name or model_args.model_name_or_path
     if tokenizer_source is None:
@@ -248,6 +262,9 @@ def main(argv=None):
         if dataset is not None and len(dataset) == 0:
             raise ValueError(f"the {name} file has fewer than {data_args.max_seq_length - 2} tokens: no block")
 
+    # Pushed once, last, once everything is saved: the Trainer's own pushes would create the repository before
+    # training (a Hub that is down ends the run before it starts) and push on every save.
+    push, training_args.push_to_hub = training_args.push_to_hub, False
     trainer = Trainer(
         model=model,
         args=training_args,
@@ -265,15 +282,32 @@ def main(argv=None):
         trainer.save_metrics("train", metrics)
         trainer.save_state()
 
+    metrics = None
     if training_args.do_eval:
         metrics = trainer.evaluate()
         metrics["perplexity"] = math.exp(metrics["eval_loss"]) if metrics["eval_loss"] < 700 else float("inf")
         metrics["eval_samples"] = len(eval_dataset)
         trainer.log_metrics("eval", metrics)
         trainer.save_metrics("eval", metrics)
-        return metrics
-    return None
+    if push:
+        if not training_args.do_train:
+            trainer.save_model()  # what is pushed is what is saved
+        if trainer.is_world_process_zero():
+            output_dir = training_args.output_dir
+            if not model.config.model_type.startswith("nprf_"):
+                trainer.create_model_card()  # an NPRF model gets its own card from push_saved_model
+            push_saved_model(
+                output_dir, training_args.hub_model_id or os.path.basename(os.path.abspath(output_dir)),
+                card_kwargs=script_card_kwargs(output_dir, None, model_args.model_name_or_path),
+                token=training_args.hub_token, private=training_args.hub_private_repo,
+                revision=training_args.hub_revision, commit_message="End of training",
+            )
+    return metrics
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (SourceNotFoundError, PushError) as error:  # a source that is nowhere (2); a push that failed, all saved (1)
+        print(f"run_mlm.py: error: {error}", file=sys.stderr)
+        sys.exit(2 if isinstance(error, SourceNotFoundError) else 1)

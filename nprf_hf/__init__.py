@@ -51,6 +51,8 @@ _LAZY = {
     "embed_documents": "long_context",
     "set_attention_variant": "modeling_nprf",
     "context_parallel": "nprf_context_parallel",
+    "SourceNotFoundError": "hub",
+    "PushError": "hub",
     "NPRF_CONFIG_CLASSES": "configuration_nprf",
     "NPRF_MODEL_CLASSES": "modeling_nprf",
     **_CLASSES,
@@ -58,7 +60,8 @@ _LAZY = {
 
 __all__ = ["functional", "NPRFCache", "NPRFStaticCache", "convert_to_nprf", "convert_checkpoint", "attention_transfer",
            "read_transfer_texts", "TransferReport", "long_context_distillation", "LongContextReport", "read_long_text",
-           "chunk_and_pool", "embed_documents", "set_attention_variant", "context_parallel", *_CLASSES]
+           "chunk_and_pool", "embed_documents", "set_attention_variant", "context_parallel", "SourceNotFoundError",
+           "PushError", *_CLASSES]
 
 
 def __getattr__(name):

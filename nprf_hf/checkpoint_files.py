@@ -8,9 +8,8 @@ source argument before any loading.
 - `conversion_report.json`: what the conversion copied, extended, dropped and initialised fresh, so
   that later tools (the model card) can say which tensors were never trained; `attention_transfer.json`:
   the transfer's per-layer errors and cosine to the source.
-- `check_local_path`: an argument that looks like a path but does not exist is reported as such at
-  once, instead of as an invalid Hub id (or after retries against an unreachable Hub); `check_source`: also
-  one of a Hub id's form that is neither a local folder nor on the Hub (a typo), asking the Hub once.
+- `check_local_path`, `check_source`: a source that is neither a local folder nor on the Hub, named at once
+  (they live in `hub.py`, which configuration_nprf.py ships as remote code; imported here for older callers).
 - `check_output_dir` / `staged_output_dir`: a command never writes into its source, never replaces a
   user's non-empty folder unasked, and never leaves a half-written one (everything is written to a
   temporary sibling and moved into place at the end, with the modes the user's umask gives);
@@ -25,9 +24,10 @@ import functools
 import json
 import logging
 import os
-import re
 import shutil
 import tempfile
+
+from .hub import HUB_ID, check_local_path, check_source, looks_like_path  # noqa: F401  (their home before hub.py)
 
 
 logger = logging.getLogger(__name__)
@@ -37,10 +37,6 @@ SENTENCE_TRANSFORMERS_FILES = ("modules.json", "config_sentence_transformers.jso
 SENTENCE_BERT_CONFIG = "sentence_bert_config.json"
 CONVERSION_REPORT = "conversion_report.json"
 ATTENTION_TRANSFER_REPORT = "attention_transfer.json"  # written by convert and by the GLUE scripts
-
-
-# a Hub id: "name" or "org/name" (letters, digits, "-", "_", "."; not starting with "." or "-")
-HUB_ID = re.compile(r"[A-Za-z0-9_][\w.-]*(/[A-Za-z0-9_][\w.-]*)?")
 
 
 @functools.lru_cache(maxsize=None)
@@ -61,57 +57,6 @@ def remote_code_files():
             if isinstance(node, ast.ImportFrom) and node.level == 1:
                 pending.extend([node.module.split(".")[0]] if node.module else [a.name for a in node.names])
     return tuple(sorted(module + ".py" for module in found))
-
-
-def looks_like_path(value) -> bool:
-    """True when `value` is meant as a local path, not a Hub id: it starts with `.`, `/` or `~`, or holds a path
-    separator and is not of the Hub's `org/name` form."""
-    value = os.fspath(value)
-    if value.startswith((".", "/", "~")):
-        return True
-    has_separator = os.sep in value or (os.altsep is not None and os.altsep in value)
-    return has_separator and not HUB_ID.fullmatch(value)
-
-
-def check_local_path(value, what="model directory"):
-    """Raise `FileNotFoundError("no such directory: ...")` at once when `value` looks like a local path and
-    does not exist (instead of HF's "Repo id must use alphanumeric chars" or retries against the Hub)."""
-    if looks_like_path(value) and not os.path.exists(os.path.expanduser(os.fspath(value))):
-        raise FileNotFoundError(f"no such directory: {os.fspath(value)} (pass an existing {what} or a Hub id)")
-
-
-def check_source(value, revision=None):
-    """Raise at once, with one line, when `value` is neither an existing local folder nor a Hub id that can be
-    loaded: a typo of a local folder (`src_minlm`) has a Hub id's form, and transformers answers it with a network
-    error (after half a minute of retries when the Hub is unreachable). Offline, only the Hub cache is looked at;
-    online, the Hub is asked once. A file given for the folder is named too."""
-    value = os.fspath(value)
-    check_local_path(value, "checkpoint directory")
-    path = os.path.expanduser(value)
-    if os.path.isdir(path):
-        return
-    if os.path.exists(path):
-        raise ValueError(f"{value} is a file: give the checkpoint's folder (config.json and weights) or a Hub id")
-    if not HUB_ID.fullmatch(value):
-        raise FileNotFoundError(f"no local folder '{value}' (and not a Hub id)")
-    reason = _why_not_on_the_hub(value, revision)
-    if reason is not None:
-        raise FileNotFoundError(f"no local folder '{value}' (and not found on the Hub: {reason})")
-
-
-def _why_not_on_the_hub(repo_id, revision=None):
-    """Why the Hub model `repo_id` cannot be loaded, or None when it can (in the Hub cache, or on the Hub)."""
-    from huggingface_hub import HfApi, constants, try_to_load_from_cache
-
-    if isinstance(try_to_load_from_cache(repo_id, "config.json", revision=revision), str):
-        return None
-    if constants.is_offline_mode():
-        return "offline, and not in the Hub cache"
-    try:
-        found = HfApi().repo_exists(repo_id)
-    except Exception as error:  # a network error of whichever HTTP library huggingface_hub uses
-        return f"it could not be reached ({error})"
-    return None if found else "no such model repository (or it is private)"
 
 
 def _inside(path, folder):

@@ -3,6 +3,7 @@
 
     nprf-hf convert SRC OUT [--num-random-features M] [--feature-map orf|prf] ...
     nprf-hf card MODEL_DIR [--eval-results eval_results.json] [--base-model ID] ...
+    nprf-hf push MODEL_DIR REPO_ID [--private] [--revision REV] [--create-pr]
 
 A subcommand is a pair of functions: `add_<name>_parser(subparsers)` declares its arguments and sets
 `func` to the function that runs it (taking the parsed namespace, returning an exit code). Add a new
@@ -18,8 +19,9 @@ import os
 import sys
 
 from . import options
-from .checkpoint_files import check_output_dir, check_source
+from .checkpoint_files import check_output_dir
 from .families import FAMILIES, HEADS
+from .hub import PushError, check_source
 
 
 def _bool(value):
@@ -293,7 +295,57 @@ def run_card(args):
     return 0
 
 
-SUBCOMMANDS = (add_convert_parser, add_card_parser)
+def add_push_parser(subparsers):
+    """Register `nprf-hf push` on the subparsers of the `nprf-hf` parser (its `func` runs it)."""
+    parser = subparsers.add_parser(
+        "push",
+        allow_abbrev=False,
+        help="upload a saved model folder to the Hub (what a script's failed --push_to_hub left to push)",
+        description="Upload the top-level files of MODEL_DIR (weights, config, remote code, tokenizer, README.md; not "
+        "its checkpoint folders) to the Hub model repository REPO_ID, created if missing, in one commit. An NPRF "
+        "model without a README.md gets its model card first (`nprf-hf card` writes one with more options). "
+        "Credentials: `hf auth login` or HF_TOKEN.",
+    )
+    parser.add_argument("model_dir", help="directory of a saved model")
+    parser.add_argument("repo_id", help="Hub model repository, e.g. user/name (name alone: under your account)")
+    parser.add_argument("--private", action="store_true", help="create the repository private (if it is new)")
+    parser.add_argument("--revision", help="branch to push to (default: the main branch)")
+    parser.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing")
+    parser.add_argument("--commit-message", default="Upload model", help="(default: %(default)s)")
+    parser.set_defaults(func=run_push)
+    return parser
+
+
+def run_push(args):
+    from .hub import HUB_ID, push_folder
+
+    model_dir = args.model_dir
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise ValueError(f"{model_dir} is not a saved model (no config.json): give the folder save_pretrained wrote")
+    if not HUB_ID.fullmatch(args.repo_id):
+        raise ValueError(f"{args.repo_id!r} is not a Hub repository id: give user/name or name")
+    if not os.path.exists(os.path.join(model_dir, "README.md")) and _is_nprf(model_dir):
+        from .modelcard import write_model_card
+
+        try:
+            print(f"Wrote {write_model_card(model_dir, repo_id=args.repo_id)}")
+        except ValueError as error:
+            raise ValueError(f"{model_dir} has no model card, and writing one failed ({error}): write it with "
+                             f"`nprf-hf card {model_dir} ...`, then push") from None
+    info = push_folder(model_dir, args.repo_id, private=args.private or None, revision=args.revision,
+                       create_pr=args.create_pr, commit_message=args.commit_message)
+    print(f"Pushed {model_dir} to {getattr(info, 'commit_url', args.repo_id)}")
+    return 0
+
+
+def _is_nprf(model_dir):
+    import json
+
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as handle:
+        return str(json.load(handle).get("model_type", "")).startswith("nprf_")
+
+
+SUBCOMMANDS = (add_convert_parser, add_card_parser, add_push_parser)
 
 
 def _version():
@@ -345,6 +397,9 @@ def main(argv=None):
         _reject_unrecognized(parser.subcommand_parsers.get(args.command, parser), extras)
     try:
         return args.func(args)
+    except PushError as error:  # the model is saved: the Hub failed, not the arguments
+        print(f"nprf-hf {args.command}: error: {error}", file=sys.stderr)
+        return 1
     except (ValueError, OSError) as error:
         print(f"nprf-hf {args.command}: error: {error}", file=sys.stderr)
         return 2

@@ -66,6 +66,7 @@ Why each default:
 import transformers
 
 from .families import FAMILIES, HEADS, family_of
+from .hub import check_load_source
 from .options import NORMALIZED_VARIANTS, NPRF_FIELDS, QUADRATIC_VARIANTS
 
 
@@ -123,6 +124,16 @@ def _nprf_config_class(family):
         if getattr(self, "auto_map", None) is None:
             self.auto_map = nprf_auto_map(family)
 
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        # transformers answers a source that is nowhere with a network error (after half a minute of retries
+        # without a network); every NPRF model's from_pretrained reads its config through here
+        check_load_source(pretrained_model_name_or_path, **kwargs)
+        return hf_config.from_pretrained.__func__(cls, pretrained_model_name_or_path, *args, **kwargs)
+
+    from_pretrained.__doc__ = (
+        f"As [`{hf_config.__name__}.from_pretrained`]; a source that is neither a local path nor a model on the Hub "
+        "or in its cache raises `hub.SourceNotFoundError` at once, in one line."
+    )
     name = family.nprf_prefix + "Config"
     namespace = {
         "__module__": __name__,
@@ -131,6 +142,7 @@ def _nprf_config_class(family):
         "__annotations__": {field.name: field.type for field in NPRF_FIELDS},
         "model_type": family.nprf_model_type,
         "__post_init__": __post_init__,
+        "from_pretrained": classmethod(from_pretrained),
         **{field.name: field.default for field in NPRF_FIELDS},
     }
     return type(name, (hf_config,), namespace)

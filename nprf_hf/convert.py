@@ -23,7 +23,6 @@ from torch import nn
 
 from .checkpoint_files import (
     carry_sentence_transformers_files,
-    check_local_path,
     check_output_dir,
     replaced_contents,
     set_max_seq_length,
@@ -31,7 +30,10 @@ from .checkpoint_files import (
     write_conversion_report,
 )
 from .families import FAMILIES, HEADS, family_of, position_offset
-from .functional import t5_relative_position_bucket
+from .hub import check_load_source
+# not through functional.py, whose kernels import torch._dynamo (a second): a source that is nowhere is named
+# about a second after `nprf_hf.convert_checkpoint(...)` is called in a fresh process
+from .nprf_positions import t5_relative_position_bucket
 from .options import RPE_INITS
 
 
@@ -231,6 +233,7 @@ def _head_from_architecture(architecture: str, family) -> str:
 
 def _load_source(model_or_path, tokenizer=None, **from_pretrained_kwargs):
     """Returns (source model, its architecture name, tokenizer or None)."""
+    check_load_source(model_or_path, files=False, **from_pretrained_kwargs)  # before transformers: a typo, at once
     import transformers
 
     if isinstance(model_or_path, nn.Module):
@@ -242,7 +245,6 @@ def _load_source(model_or_path, tokenizer=None, **from_pretrained_kwargs):
     if not isinstance(model_or_path, (str, os.PathLike)):
         raise ValueError(f"model_or_path must be a model, a local directory or a Hub id, got {type(model_or_path)}")
     path = str(model_or_path)
-    check_local_path(path, "checkpoint directory")
     config = transformers.AutoConfig.from_pretrained(path, **from_pretrained_kwargs)
     family = _source_family(config.model_type)
     architecture = (config.architectures or [family.class_name("model", nprf=False)])[0]
@@ -631,7 +633,9 @@ def convert_checkpoint(src, out_dir, *, tokenizer=None, overwrite: bool = False,
     is refused unless `overwrite=True`; everything is written to a temporary sibling folder that replaces
     `out_dir` only once complete (an error or interruption leaves `out_dir` as it was).
     kwargs as in `convert_to_nprf`. Returns the `ConversionReport`."""
-    check_output_dir(out_dir, src, overwrite, "overwrite=True")  # before minutes of loading and training
+    # before minutes of loading and training: a source that is nowhere, an output that would harm something
+    check_load_source(src, files=False, **(kwargs.get("from_pretrained_kwargs") or {}))
+    check_output_dir(out_dir, src, overwrite, "overwrite=True")
     replaced = replaced_contents(out_dir) if overwrite else None
     if replaced is not None:
         logger.warning(replaced)

@@ -6,21 +6,24 @@
            metrics, base_model, model-index from eval_results.json) + usage, NPRF settings, the
            conversion recipe and the limits. CARD_TEMPLATE below is the only template.
     push_nprf_to_hub(model_or_dir, repo_id, tokenizer=None, card_kwargs=...)
-        -> weights, config, remote code files, tokenizer and this card in one commit.
+        -> weights, config, remote code files, tokenizer and this card in one commit; a directory gets its card
+           written in place first, so a failed push (`hub.PushError`) loses nothing.
         (`model.push_to_hub` uploads weights, config and code, but a generic README.md.)
+    push_saved_model(model_dir, repo_id, ...)
+        -> what a script's `--push_to_hub` does last: any saved model folder, an NPRF one with this card.
     nprf-hf card MODEL_DIR [--eval-results eval_results.json] [--base-model ID] [--dataset ID] ...
-        -> the command line of `write_model_card` (declared in `cli.py`).
+    nprf-hf push MODEL_DIR REPO_ID
+        -> the command lines of `write_model_card` and of pushing a saved folder (declared in `cli.py`).
 """
 
 import json
 import logging
 import os
-import shutil
 import string
 import tempfile
 
-from .checkpoint_files import HUB_ID
 from .families import HEADS, NPRF_FAMILIES, family_of, position_offset
+from .hub import HUB_ID, PushError, looks_like_path, push_folder
 
 
 logger = logging.getLogger(__name__)
@@ -67,12 +70,13 @@ $results
 
 The modeling code ships with the weights (`modeling_nprf.py`, `configuration_nprf.py` and the files they import):
 load it with `trust_remote_code=True` (or, with the nprf-hf package installed, `import nprf_hf`, which registers
-the classes with the Auto classes).
+the classes with the Auto classes). The tokenizer is the source's plain one, but `AutoTokenizer` reads `config.json`
+first, which names that code: without the flag it asks whether to run it.
 
 ```python
 from transformers import AutoTokenizer, $auto_class, pipeline
 
-tokenizer = AutoTokenizer.from_pretrained("$repo_id")
+tokenizer = AutoTokenizer.from_pretrained("$repo_id", trust_remote_code=True)
 model = $auto_class.from_pretrained("$repo_id", trust_remote_code=True)
 outputs = model(**tokenizer("$example_text", return_tensors="pt"))
 
@@ -482,15 +486,20 @@ def write_nprf_card(model_dir, model, task_name, source, main_process=True):
     if not model.config.model_type.startswith("nprf_"):
         return False
     if main_process:
-        from .checkpoint_files import looks_like_path
-
-        base_model = None if os.path.isdir(source) or looks_like_path(source) or not HUB_ID.fullmatch(source) else source
-        results = os.path.join(model_dir, "eval_results.json")
-        # a non-GLUE run's metrics name no dataset: the card then leaves them out rather than guess one
-        eval_results = results if os.path.isfile(results) and _glue_task_or_none(task_name) else False
-        path = write_model_card(model_dir, eval_results=eval_results, task_name=task_name, base_model=base_model)
+        path = write_model_card(model_dir, **script_card_kwargs(model_dir, task_name, source))
         logger.info("Wrote the NPRF model card %s", path)
     return True
+
+
+def script_card_kwargs(model_dir, task_name, source):
+    """`write_model_card` arguments for a script's run saved in `model_dir`: the task, `source` (the checkpoint the
+    run started from; None: from scratch) as `base_model` when it is a Hub id, and eval_results.json for a GLUE task only (other
+    metrics name no dataset: the card then leaves them out rather than guess one)."""
+    hub_id = source is not None and HUB_ID.fullmatch(source) and not looks_like_path(source)
+    base_model = source if hub_id and not os.path.isdir(source) else None
+    results = os.path.join(model_dir, "eval_results.json")
+    eval_results = results if os.path.isfile(results) and _glue_task_or_none(task_name) else False
+    return {"eval_results": eval_results, "task_name": task_name, "base_model": base_model}
 
 
 def _glue_task_or_none(task_name):
@@ -517,37 +526,65 @@ def push_nprf_to_hub(
 
     Args:
         model: an NPRF PreTrainedModel, or the directory of a saved one (its top-level files are
-            uploaded; sub-directories such as checkpoint-*/ are not).
+            uploaded; sub-directories such as checkpoint-*/ are not). A directory is completed in place
+            first (the tokenizer, if given, and the model card, README.md, replacing any other), so that
+            what fails to go up stays saved: `nprf-hf push MODEL_DIR REPO_ID` pushes it later.
         tokenizer: saved next to the model when given.
         card_kwargs: `write_model_card` arguments (eval_results, base_model, datasets, task_name, ...);
             `repo_id` defaults to the target repo.
     Returns:
-        huggingface_hub CommitInfo of the upload (one `create_commit`, as `model.push_to_hub` does).
+        huggingface_hub CommitInfo of the upload (one commit, as `model.push_to_hub` makes).
+    Raises:
+        `hub.PushError` (an OSError) when the Hub is unreachable, offline or refuses the credentials: one
+        line saying what failed and the command that pushes the saved folder later.
     """
-    from huggingface_hub import CommitOperationAdd, HfApi
 
-    api = HfApi(token=token)
-    with tempfile.TemporaryDirectory() as folder:
-        if isinstance(model, (str, os.PathLike)):
-            source = os.fspath(model)
-            read_nprf_config(source)
-            for name in os.listdir(source):
-                if os.path.isfile(os.path.join(source, name)) and name != "README.md":
-                    shutil.copy2(os.path.join(source, name), folder)
-        else:
-            model.save_pretrained(folder)
+    def write_card(folder, full_id):
+        kwargs = {"repo_id": full_id, "model_name": full_id.split("/")[-1], **(card_kwargs or {})}
+        write_model_card(folder, **kwargs)
+
+    def rewrite_card(folder):  # the Hub may complete the id (`name` -> `user/name`): the usage snippet names it
+        return lambda full_id: full_id != repo_id and write_card(folder, full_id)
+
+    hub_kwargs = dict(token=token, private=private, revision=revision, create_pr=create_pr,
+                      commit_message=commit_message)
+    if isinstance(model, (str, os.PathLike)):
+        folder = os.fspath(model)
+        read_nprf_config(folder)  # another model is refused before anything is written
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
-        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
-        card_kwargs = {"repo_id": repo_id, "model_name": repo_id.split("/")[-1], **(card_kwargs or {})}
-        write_model_card(folder, **card_kwargs)
-        operations = [
-            CommitOperationAdd(path_in_repo=name, path_or_fileobj=os.path.join(folder, name))
-            for name in sorted(os.listdir(folder))
-        ]
-        return api.create_commit(
-            repo_id=repo_id, operations=operations, commit_message=commit_message, revision=revision, create_pr=create_pr
-        )
+        write_card(folder, repo_id)  # first, with the id as given: the card is saved whatever the Hub answers
+        return push_folder(folder, repo_id, on_repo=rewrite_card(folder), **hub_kwargs)
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
+        write_card(folder, repo_id)
+        try:
+            return push_folder(folder, repo_id, on_repo=rewrite_card(folder), **hub_kwargs)
+        except PushError as error:  # the folder it names is gone with this function
+            raise PushError(
+                f"could not push the model to {repo_id}: {error.reason}; nothing was saved: save it with "
+                f"model.save_pretrained(DIR), then run nprf-hf push DIR {repo_id}", error.reason
+            ) from error.__cause__
+
+
+def push_saved_model(model_dir, repo_id, card_kwargs=None, **hub_kwargs):
+    """What a script's `--push_to_hub` does last, once everything is saved in `model_dir`: an NPRF model goes up with
+    its NPRF model card (`push_nprf_to_hub`, the card written into `model_dir` first), any other model with the files
+    already there (its README.md included). hub_kwargs: token, private, revision, create_pr, commit_message.
+    Raises `hub.PushError` (one line: what failed, and `nprf-hf push MODEL_DIR REPO_ID` to push later)."""
+    if _is_nprf_folder(model_dir):
+        return push_nprf_to_hub(model_dir, repo_id, card_kwargs=card_kwargs, **hub_kwargs)
+    return push_folder(model_dir, repo_id, **hub_kwargs)
+
+
+def _is_nprf_folder(model_dir):
+    try:
+        read_nprf_config(model_dir)
+    except ValueError:
+        return False
+    return True
 
 
 # ----------------------------------------------------------------------------------------------

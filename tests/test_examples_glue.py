@@ -310,16 +310,16 @@ class FakeHubApi:
         FakeHubApi.calls.append(("create_repo", repo_id))
         return SimpleNamespace(repo_id=f"someone/{repo_id}")
 
-    def upload_folder(self, repo_id, folder_path, **kwargs):
-        FakeHubApi.calls.append(("upload_folder", repo_id, sorted(os.listdir(folder_path))))
-        return SimpleNamespace(is_done=lambda: True)
+    def create_commit(self, repo_id, operations, **kwargs):
+        FakeHubApi.calls.append(("create_commit", repo_id, sorted(op.path_in_repo for op in operations)))
+        return SimpleNamespace(commit_url=f"https://huggingface.co/{repo_id}/commit/0")
 
 
 def test_run_glue_push_to_hub(tiny_model, tmp_path, monkeypatch):
-    import transformers.trainer
+    import huggingface_hub
 
     FakeHubApi.calls = []
-    monkeypatch.setattr(transformers.trainer, "hf_api", FakeHubApi)
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeHubApi)
     write_tsv(tmp_path / "SST-2" / "train.tsv", [["sentence", "label"]] + [["nice", "1"], ["awful", "0"]] * 2)
     write_tsv(tmp_path / "SST-2" / "dev.tsv", [["sentence", "label"], ["nice", "1"], ["awful", "0"]])
     run_glue.main([
@@ -327,9 +327,9 @@ def test_run_glue_push_to_hub(tiny_model, tmp_path, monkeypatch):
         "--max_steps", "1", "--output_dir", str(tmp_path / "my-model"), "--save_strategy", "no",
         "--push_to_hub", "--hub_strategy", "end",
     ])
-    assert FakeHubApi.calls[0] == ("create_repo", "my-model")
+    assert FakeHubApi.calls[0] == ("create_repo", "my-model") and len(FakeHubApi.calls) == 2  # once, at the end
     kind, repo_id, files = FakeHubApi.calls[-1]
-    assert (kind, repo_id) == ("upload_folder", "someone/my-model")
+    assert (kind, repo_id) == ("create_commit", "someone/my-model")
     assert {"config.json", "model.safetensors", "tokenizer.json", "README.md"} <= set(files)
 
 
@@ -433,7 +433,7 @@ def test_no_trainer_bf16_and_push_to_hub(tiny_model, tmp_path, monkeypatch):
     assert metrics["train_steps"] == 2 and set(metrics) >= {"eval_accuracy", "eval_samples"}
     assert FakeHubApi.calls[0] == ("create_repo", "rte-tiny")
     kind, repo_id, files = FakeHubApi.calls[-1]
-    assert (kind, repo_id) == ("upload_folder", "someone/rte-tiny")
+    assert (kind, repo_id) == ("create_commit", "someone/rte-tiny")
     assert {"config.json", "model.safetensors", "eval_results.json"} <= set(files)
 
 
