@@ -39,6 +39,7 @@ Two models of the roundings (`roundings`):
   Magnitude factors (the exponents' E, the FFT's conditioning) stay as they are: only counts are rooted.
 """
 
+import contextlib
 import math
 
 import torch
@@ -325,3 +326,45 @@ def normalized_product_gradient_bounds(phi_q, phi_k, value, c, reference, grad_o
     bounds = product_gradient_bounds(phi_q, phi_k, torch.cat([value.detach().double(), ones], -1), c, upstream,
                                      wanted, computations, dtype, extra_terms=value.shape[-1] + 2)
     return [b[..., :-1] if name == "u" else b for name, b in zip(wanted, bounds)]
+
+
+# --- inside the models ----------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def attention_checked_against(against="dense", model=WORST):
+    """Inside the models (`nprf_attention` as `modeling_nprf` and the decoders' cache `cache_nprf` call it):
+    every attention computed with another algorithm is checked, per element, against the same call with `against`
+    (`attention_rounding`'s bounds for these very inputs, whose conditioning a model's hidden states set), and
+    the model goes on with `against`'s output. A model configured with another algorithm then returns the
+    `against`-configured model's output to the bit (the same numbers through the same layers), so the comparison
+    of the two needs no tolerance, and the layers after an attention cannot amplify its rounding past a bound
+    that was derived for its output alone."""
+    from nprf_hf import cache_nprf, modeling_nprf
+
+    original = modeling_nprf.nprf_attention
+    assert cache_nprf.nprf_attention is original
+
+    def checked(query, key, value, rpe_bias, projection, key_padding_mask=None, algorithm="auto", causal=False,
+                **options):
+        out = original(query, key, value, rpe_bias, projection, key_padding_mask, algorithm, causal, **options)
+        if algorithm == against:
+            return out
+        expected = original(query, key, value, rpe_bias, projection, key_padding_mask, against, causal, **options)
+        terms = options.get("terms")
+        if terms is not None and terms.pair_terms:
+            raise NotImplementedError("attention_checked_against: bounds for pair terms need their factor")
+        logit_scale = getattr(terms, "logit_scale", None)
+        mask = None if key_padding_mask is None else key_padding_mask.bool()
+        dtype = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
+        rounding = attention_rounding(query, key, value, rpe_bias, projection, expected, mask, causal, algorithm,
+                                      logit_scale, options.get("variant", "nprf"), other=against, dtype=dtype,
+                                      model=model)
+        rounding.assert_values(out, expected, f"{algorithm} against {against} inside the model")
+        return expected
+
+    modeling_nprf.nprf_attention = cache_nprf.nprf_attention = checked
+    try:
+        yield
+    finally:
+        modeling_nprf.nprf_attention = cache_nprf.nprf_attention = original
