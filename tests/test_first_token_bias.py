@@ -13,6 +13,8 @@ from nprf_hf.nprf_naive import naive_attention, naive_attention_weights
 from nprf_hf.nprf_terms import AttentionTerms, FirstTokenBias, SegmentBias, TokenMatch
 from nprf_hf.transfer import TABLE_PARAMETERS
 
+from tolerances import attention_rounding
+
 
 def case(n, seed=0, batch=3, heads=2, d=8, m=6):
     generator = torch.Generator().manual_seed(seed)
@@ -25,6 +27,13 @@ def case(n, seed=0, batch=3, heads=2, d=8, m=6):
     return q, k, v, projection, bias, mask
 
 
+def first_key_factor(gamma, n):
+    """exp(gamma [j = 0]) [1, H, 1, n]: the term's factor on w_ij (for `attention_rounding`)."""
+    factor = torch.ones(1, gamma.shape[0], 1, n, dtype=torch.float64)
+    factor[..., 0] = torch.exp(gamma.detach().double())[None, :, None]
+    return factor
+
+
 @pytest.mark.parametrize("algorithm", ["dense", "fft", "banded", "auto"])
 @pytest.mark.parametrize("n", [9, 120])
 def test_every_algorithm_matches_the_reference_with_gradients(algorithm, n, monkeypatch):
@@ -35,17 +44,17 @@ def test_every_algorithm_matches_the_reference_with_gradients(algorithm, n, monk
     out = Fn.nprf_attention(q, k, v, bias, projection, mask, algorithm=algorithm,
                             band_width=Fn.rpe_band_width(16, 40), terms=terms)
     ref = naive_attention(q, k, v, bias, projection, mask, first_key_bias=gamma)
-    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-11)
+    rounding = attention_rounding(q, k, v, bias, projection, ref, mask, False, algorithm,
+                                  pair_factor=first_key_factor(gamma, n))
+    rounding.assert_values(out, ref)
     assert (out - naive_attention(q, k, v, bias, projection, mask)).abs().max() > 1e-3  # the term does something
     weights = torch.randn_like(ref)
     got = torch.autograd.grad((out * weights).sum(), (q, k, v, gamma))
     want = torch.autograd.grad((ref * weights).sum(), (q, k, v, gamma))
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
+    rounding.assert_gradients(got, want, ("q", "k", "v", "first_key_bias"))
     with torch.no_grad():  # the inference paths
-        torch.testing.assert_close(
-            Fn.nprf_attention(q, k, v, bias, projection, mask, algorithm=algorithm, terms=terms), ref,
-            rtol=1e-9, atol=1e-11)
+        rounding.assert_values(Fn.nprf_attention(q, k, v, bias, projection, mask, algorithm=algorithm, terms=terms),
+                               ref, "inference")
     torch.testing.assert_close(Fn.nprf_attention_weights(q, k, bias, projection, mask, terms=terms),
                                naive_attention_weights(q, k, bias, projection, mask, first_key_bias=gamma))
 
@@ -60,8 +69,10 @@ def test_only_the_bias_trains(algorithm):
                             terms=AttentionTerms(FirstTokenBias(gamma)))
     ref = naive_attention(q, k, v, bias, projection, mask, first_key_bias=gamma)
     weights = torch.randn_like(ref)
-    torch.testing.assert_close(torch.autograd.grad((out * weights).sum(), gamma)[0],
-                               torch.autograd.grad((ref * weights).sum(), gamma)[0], rtol=1e-8, atol=1e-10)
+    rounding = attention_rounding(q, k, v, bias, projection, ref, mask, False, algorithm,
+                                  pair_factor=first_key_factor(gamma, 40))
+    rounding.assert_gradients(torch.autograd.grad((out * weights).sum(), gamma),
+                              torch.autograd.grad((ref * weights).sum(), gamma), ("first_key_bias",))
 
 
 def test_with_the_pair_terms_and_an_exact_variant():
@@ -73,14 +84,18 @@ def test_with_the_pair_terms_and_an_exact_variant():
     gamma = torch.tensor([-0.7, 3.0], dtype=torch.float64)
     terms = AttentionTerms(SegmentBias(segments, beta), TokenMatch(tokens, mu, segments), FirstTokenBias(gamma))
     expected = dict(segment_ids=segments, segment_bias=beta, token_ids=tokens, match_weight=mu, first_key_bias=gamma)
+    crossing = (segments[:, :, None] != segments[:, None, :])[:, None]
+    factor = torch.exp(beta[None, :, None, None] * crossing) * first_key_factor(gamma, 30)  # the matches only add
+    ref = naive_attention(q, k, v, bias, projection, mask, **expected)
     for algorithm in ("dense", "banded", "fft"):
         out = Fn.nprf_attention(q, k, v, bias, projection, mask, algorithm=algorithm, terms=terms)
-        torch.testing.assert_close(out, naive_attention(q, k, v, bias, projection, mask, **expected), rtol=1e-9,
-                                   atol=1e-11)
+        attention_rounding(q, k, v, bias, projection, ref, mask, False, algorithm, pair_factor=factor).assert_values(
+            out, ref, algorithm)
     out = Fn.nprf_attention(q, k, v, bias, projection, mask, terms=AttentionTerms(FirstTokenBias(gamma)),
                             variant="softmax")
-    torch.testing.assert_close(out, naive_attention(q, k, v, bias, None, mask, variant="softmax",
-                                                    first_key_bias=gamma), rtol=1e-9, atol=1e-11)
+    ref = naive_attention(q, k, v, bias, None, mask, variant="softmax", first_key_bias=gamma)
+    attention_rounding(q, k, v, bias, None, ref, mask, False, "dense", variant="softmax",
+                       pair_factor=first_key_factor(gamma, 30)).assert_values(out, ref, "softmax")
 
 
 def test_wrong_shape_and_causal_use_are_refused():
