@@ -22,7 +22,7 @@ from nprf_hf import functional as Fn
 from nprf_hf import nprf_banded
 
 from conftest import tiny_nprf_config
-from tolerances import assert_within, attention_checked_against, attention_rounding, unit_roundoff
+from tolerances import assert_within, attention_checked_against, attention_rounding, model_rounding
 
 
 SETTINGS = settings(max_examples=25, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
@@ -37,15 +37,11 @@ def small_chunks():
         yield
 
 
-def model_close(actual, expected):
-    """Two float64 runs of a tiny model that differ only in rounding (shapes, padding: the same dense attention):
-    every op rounds relative to its operands, u (K_attention + K_layer) per layer before the later layers carry it,
-    K_attention ~ 400 at these sizes (`tolerances.direct_rounding`: n <= 40, m = 8, d = 8, exponents <= ~6) and
-    K_layer ~ 100 (the width-16/24 linear maps, LayerNorm, GELU); two layers: ~1e3 u ~ 1e-13 of the outputs' size.
-    rtol = atol = 1e4 x that (1e-9) leaves the layers' amplification of it (weights ~N(0, 0.02), LayerNorm of
-    O(1) activations: O(1) each) a factor of 1e4, where a wrong mask or position moves the outputs by O(1e-2)."""
-    scale = 1e4 * 1e3 * unit_roundoff(torch.float64) * max(1.0, expected.abs().max().item())
-    torch.testing.assert_close(actual, expected, rtol=scale, atol=scale)
+def model_close(model, actual, expected):
+    """Two float64 runs of a tiny model that differ only in rounding (shapes, padding: the same direct attention),
+    within `tolerances.model_rounding` of the outputs' size."""
+    bound = model_rounding(model, expected.shape[1], expected.shape[0]) * expected.abs().max()
+    assert_within(actual, expected, bound, "model output")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,4 +217,4 @@ def test_model_algorithms_agree_padding_invariance_and_batch_independence(models
         torch.testing.assert_close(outputs[algorithm][real], outputs["dense"][real], rtol=0, atol=0)
     for b, length in enumerate(case["lengths"]):  # each sequence alone, unpadded, no mask ("auto")
         alone = main_output(model, input_ids=input_ids[b : b + 1, :length])
-        model_close(outputs["dense"][b : b + 1, :length], alone)
+        model_close(model, outputs["dense"][b : b + 1, :length], alone)

@@ -196,7 +196,8 @@ class Rounding:
 
 def attention_rounding(query, key, value, bias, projection, reference, mask=None, causal=False, algorithm="dense",
                        logit_scale=None, variant="nprf", pair_factor=None, dtype=torch.float64, other="reference",
-                       model=WORST, output_dtype=None):
+                       model=WORST, output_dtype=None, segment_ids=None, segment_bias=None, first_key_bias=None,
+                       **matches):
     """The bounds on `nprf_attention`'s output computed in `dtype` (float64, or float32 for half-precision inputs)
     with `algorithm` against `other` on the same inputs (module docstring), as a `Rounding`: "reference"
     (`naive_attention`, float64) or a second algorithm's output (`reference` is then that output: the bounds only
@@ -214,10 +215,22 @@ def attention_rounding(query, key, value, bias, projection, reference, mask=None
     largest entry, not per entry: an entry's terms (the normalization's projection, values of both signs) may
     cancel, so its own size does not bound them.
 
-    pair_factor: the positive factor the pair terms put on w_ij ([B, H, n, n] or broadcastable: exp(beta) across
-    segments, exp(gamma) on the first key), whose keys the algorithm scales before the FFT.
+    pair_factor: the positive factor the pair terms put on w_ij ([B, H, n, n] or broadcastable), whose keys the
+    algorithm scales before the FFT; segment_ids / segment_bias (exp(beta [s_i != s_j])) and first_key_bias
+    (exp(gamma [j = 0])) add theirs, as `naive_attention` takes them. The word-matching term (`matches`:
+    token_ids, match_weight) adds mu kappa_ij through direct group sums: it only raises D_i, so the bounds
+    without it hold.
     """
     batch, _, n, _ = query.shape
+    assert set(matches) <= {"token_ids", "match_weight"}, matches
+    if segment_ids is not None:
+        crossing = (segment_ids[:, :, None] != segment_ids[:, None, :])[:, None]
+        factor = torch.exp(segment_bias.detach().double()[None, :, None, None] * crossing)
+        pair_factor = factor if pair_factor is None else pair_factor * factor
+    if first_key_bias is not None:
+        factor = torch.ones(1, first_key_bias.shape[0], 1, n, dtype=torch.float64)
+        factor[..., 0] = torch.exp(first_key_bias.detach().double())[None, :, None]
+        pair_factor = factor if pair_factor is None else pair_factor * factor
     features = 1 if variant in ("softmax", "normalized_softmax") else (
         query.shape[-1] if variant == "elu_linear" else projection.shape[-2])
     extra = 0.0 if pair_factor is None else finite_range(torch.log(pair_factor))
@@ -368,3 +381,39 @@ def attention_checked_against(against="dense", model=WORST):
         yield
     finally:
         modeling_nprf.nprf_attention = cache_nprf.nprf_attention = original
+
+
+MODEL_GAIN = 10.0  # per layer (`model_rounding`)
+
+
+def model_rounding(model, n, batch, gradient=False, dtype=torch.float64, rounding_model=WORST):
+    """The rounding of a tiny model's output (or, `gradient`, of its parameters' gradients) relative to its
+    largest entry, for two runs that compute the same function in different orders (shapes, padding, recomputed
+    backward, a cache) with direct attention (dense, banded: no FFT conditioning in it).
+
+    Per layer: its attention's K_direct (`direct_rounding` for the layer's projection and bucket table at length n;
+    for gradients twice that plus the B n m final sums) and the layer's own dot products and LayerNorm,
+    K_layer = hidden + intermediate + 10; two runs. Every layer carries an error on at most MODEL_GAIN times: a
+    residual block with LayerNorm and weights ~N(0, 0.02) has an O(1) Jacobian, the next attention reaches its
+    normalized q, k through 1 / |q| ~ 10. That gain is an estimate, not a bound: the one factor of these
+    tolerances that is not derived (the errors seen sit >= 1e4x below them)."""
+    u = unit_roundoff(dtype)
+    layers = [module for module in model.modules() if hasattr(module, "projection") and hasattr(module, "bucket_table")]
+    config = model.config
+    total = 0.0
+    for layer in layers:
+        projection = layer.projection.detach().double()
+        scale = layer.logit_scale()
+        s = 1.0 if scale is None else scale.detach().double().max().item()
+        w = projection.norm(dim=-1).amax().item()
+        m, d = projection.shape[-2], projection.shape[-1]
+        exponent = w * math.sqrt(s) + s / 2 + math.log(m) / 2
+        table = layer.bucket_table(None if layer.rpe_table is not None else next(
+            module.rpe_table for module in model.modules()
+            if getattr(module, "rpe_table", None) is not None and not hasattr(module, "bucket_table")))
+        direct = direct_rounding(n, m, exponent, 2 * (d + 3), finite_range(table), rounding_model)
+        if gradient:
+            direct = 2 * direct + roundings(batch * n * m, rounding_model)
+        own = roundings(config.hidden_size + config.intermediate_size + 10, rounding_model)
+        total += 2 * u * (direct + own)
+    return total * MODEL_GAIN ** len(layers)
