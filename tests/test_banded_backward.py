@@ -264,7 +264,9 @@ def test_model_training_step_equals_keeping_the_features(small_chunks, monkeypat
         hidden.square().mean().backward()
         grads[mode] = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
     assert grads["always"].keys() == grads["never"].keys() and any("rpe" in name for name in grads["never"])
-    relative = model_rounding(model, 60, 2, gradient=True)  # two orders of the same backward, float64
+    # two orders of the same backward, float64 (`model_rounding`), relative to the largest parameter gradient: backward
+    # rounds relative to the upstream gradients, and a parameter's own gradient may be a cancelling sum of them
+    bound = model_rounding(model, 60, 2, gradient=True) * max(want.abs().max() for want in grads["never"].values())
     for name, want in grads["never"].items():
-        assert_within(grads["always"][name], want, relative * want.abs().max(), name)
+        assert_within(grads["always"][name], want, bound, name)
 

@@ -14,6 +14,9 @@ from nprf_hf import functional as Fn
 from nprf_hf import nprf_cpu_threads
 from nprf_hf.nprf_naive import naive_attention
 
+from tolerances import (assert_within, attention_rounding, normalized_product_bound, normalized_product_gradient_bounds,
+                        product_bound, product_gradient_bounds)
+
 pytestmark = pytest.mark.skipif(not nprf_cpu_threads.available(), reason="this torch build has no per-thread "
                                 "OpenMP / MKL thread count: the banded loops run as plain loops")
 
@@ -96,14 +99,14 @@ def test_banded_over_threads_matches_the_reference(two_threads, small_chunks, ca
     ref = naive_attention(*views(q, k, v), bias_of(table), projection, mask, causal)
     weights = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
     want = torch.autograd.grad((ref * weights).sum(), (q, k, v, table))
+    rounding = attention_rounding(*views(q, k, v), bias_of(table), projection, ref, mask, causal, "banded")
     runs = []
     for _ in range(2):
         out = Fn.nprf_attention(*views(q, k, v), bias_of(table), projection, mask, "banded", causal, band_width=band,
                                 recompute=recompute)
-        torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-11)
+        rounding.assert_values(out, ref)
         got = torch.autograd.grad((out * weights).sum(), (q, k, v, table))
-        for a, b, name in zip(got, want, ("q", "k", "v", "table")):
-            torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10, msg=name)
+        rounding.assert_gradients(got, want, ("q", "k", "v", "table"))
         runs.append(got)
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
@@ -116,7 +119,8 @@ def test_banded_over_threads_under_inference_mode(two_threads, small_chunks):
     band = Fn.rpe_band_width(BUCKETS, DISTANCE)
     with torch.inference_mode():
         out = Fn.nprf_attention(*args, band_width=band)
-    torch.testing.assert_close(out, naive_attention(*args[:6]), rtol=1e-9, atol=1e-11)
+    ref = naive_attention(*args[:6])
+    attention_rounding(*args[:5], ref, args[5], False, "banded").assert_values(out, ref)
 
 
 @pytest.mark.parametrize("normalized", [False, True])
@@ -140,15 +144,24 @@ def test_dense_in_cache_over_threads_matches_autograd(two_threads, normalized):
         ref = torch.where(denominators > 0, sums[..., :-1] / denominators.clamp_min(1e-300), 0.0)
     weights = torch.randn(ref.shape, dtype=torch.float64, generator=generator)
     want = torch.autograd.grad((ref * weights).sum(), (phi_q, phi_k, value, c))
+    names = ("phi_q", "phi_k", "u", "c")
+    if normalized:  # the derived bounds of two direct evaluations (`tolerances`)
+        bound = normalized_product_bound(phi_q, phi_k * kept, value, c, ref)
+        grad_bounds = normalized_product_gradient_bounds(phi_q, phi_k * kept, value, c, ref, weights, names)
+    else:
+        bound = product_bound(phi_q, phi_k * kept, values_and_ones(value), c)
+        grad_bounds = product_gradient_bounds(phi_q, phi_k * kept, values_and_ones(value), c, weights, names)
+        grad_bounds[2] = grad_bounds[2][..., :d]  # the values: u's first d columns
     with torch.no_grad():
-        torch.testing.assert_close(dense_toeplitz_inference(phi_q, phi_k * kept, value, c, lengths, normalized), ref)
+        assert_within(dense_toeplitz_inference(phi_q, phi_k * kept, value, c, lengths, normalized), ref, bound,
+                      "inference")
     runs = []
     for _ in range(2):
         out = dense_toeplitz_training(phi_q, phi_k * kept, value, c, lengths, normalized)
-        torch.testing.assert_close(out, ref)
+        assert_within(out, ref, bound, "training")
         got = torch.autograd.grad((out * weights).sum(), (phi_q, phi_k, value, c))
-        for a, b, name in zip(got, want, ("phi_q", "phi_k", "value", "c")):
-            torch.testing.assert_close(a, b, msg=name)
+        for a, b, grad_bound, name in zip(got, want, grad_bounds, names):
+            assert_within(a, b, grad_bound, name)
         runs.append(got)
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
