@@ -49,6 +49,9 @@ VARIANTS = {
     # a learned feature map: the projection trains too (Hedgehog-style); same m, same cost per step
     "scale8-learned": ({"logit_scale_max": 8.0}, {"projection_learning_rate": 1e-2}),
     "scale8-m16-learned": ({"logit_scale_max": 8.0, "num_random_features": 16}, {"projection_learning_rate": 1e-2}),
+    # the exact near field (issue 54): the RPE band's pairs exact, NPRF beyond
+    "near8": ({"attention_variant": "nprf_near", "logit_scale_max": 8.0}, {}),
+    "near30": ({"attention_variant": "nprf_near", "logit_scale_max": 30.0}, {}),
     "sink": ({"first_token_bias": True}, {}),
     "scale8-sink": ({"logit_scale_max": 8.0, "first_token_bias": True}, {}),
 }

@@ -18,6 +18,8 @@ Recipes (`RECIPES`):
 - nprf+scale8+m256+transfer: 256 random features (a less noisy estimate of the scaled kernel).
 - nprf+scale8+segment+transfer: plus a learned bias for query/key pairs in different sentences.
 - nprf+scale8+segment+match+transfer: plus a learned weight for the same word in the other sentence.
+- near+scale8+transfer, near+scale30+transfer: the exact near field (`attention_variant="nprf_near"`: the RPE
+  band's pairs weigh the exact kernel, farther ones NPRF) with a logit scale up to 8 or 30, transferred, fine-tuned.
 - hedgehog: protocol (b), as in Hedgehog: the *fine-tuned softmax* model of the same task and seed
   is converted (scale8), transferred on the task's texts, then fine-tuned for one epoch.
 - normalized-then-nprf, scale8+normalized-then-nprf: converted with the exact kernel NPRF estimates (softmax of
@@ -80,6 +82,9 @@ RECIPES = {
         "nprf": {"logit_scale_max": 8.0, "segment_bias": True, "token_match": True},
         "transfer": "task",
     },
+    # the exact near field (issue 54): the band's pairs exact, NPRF beyond, a sharper scale the exact kernel follows
+    "near+scale8+transfer": {"nprf": {"attention_variant": "nprf_near", "logit_scale_max": 8.0}, "transfer": "task"},
+    "near+scale30+transfer": {"nprf": {"attention_variant": "nprf_near", "logit_scale_max": 30.0}, "transfer": "task"},
     "hedgehog": {"nprf": {"logit_scale_max": 8.0}, "transfer": "task", "source": "softmax", "epochs": 1},
     # issue 22's Figure-2 route: fine-tuned with the exact kernel NPRF estimates, then switched to NPRF
     "normalized-then-nprf": {"nprf": {"attention_variant": "normalized_softmax"}, "final": "nprf"},

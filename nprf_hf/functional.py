@@ -53,7 +53,7 @@ from .nprf_positions import (  # noqa: F401  (the bias helpers: public here)
 )
 from .nprf_terms import AttentionTerms
 from .options import ALGORITHMS  # noqa: F401  (the PyTorch algorithms: read here by tests and benchmarks)
-from .nprf_near_field import near_field_correction, near_field_kernel
+from .nprf_near_field import near_field_correction, near_field_inputs, near_field_kernel
 from .options import ATTENTION_ALGORITHMS, ATTENTION_VARIANTS, NEAR_FIELD_VARIANTS, QUADRATIC_VARIANTS
 
 
@@ -187,7 +187,7 @@ def _nprf_attention(call, route):
     logit_scale = terms.logit_scale
     near = call.variant in NEAR_FIELD_VARIANTS
     near_width = (call.near_field_width or route.band_width or infer_band_width(call.bias.detach(), n)) if near else None
-    if near and route.algorithm == "dense":  # the n x n kernel with the band exact: every term as in the weights
+    if near and route.algorithm == "dense" and terms.pair_terms:  # the n x n kernel: every term as in the weights
         weights = _weights(query, key, call.bias, call.projection, mask, causal, terms, call.variant, near_width)
         return (weights @ value).to(query.dtype)
     # Without autograd through the product's own inputs (the features read the mask too), its "inference" row. Only
@@ -197,18 +197,26 @@ def _nprf_attention(call, route):
         t is not None and t.requires_grad
         for t in (query, key, value, c, call.projection, mask, logit_scale, *terms.tensors(inside_product=True))
     )
-    product = toeplitz_product(route, inference)
+    # The near field inside the product where it can read it (the pair terms scale the keys it is given, which the
+    # exact kernel's keys would miss); else the band's correction of the product's sums.
+    product = toeplitz_product(route, inference, near=near and not terms.pair_terms)
+    near_field = None
+    band_width = route.band_width
+    if near and product.near and not terms.pair_terms:
+        near_field = near_field_inputs(query, key, mask, logit_scale, near_width, dtype)
+        band_width = max(band_width or near_width, near_width)  # the banded window must hold the near pairs
     lengths = key_lengths(mask, batch, n) if product.in_cache else None  # (a host sync)
     phi_q, phi_k = query_key_features(query, key, call.projection, mask, dtype, logit_scale, product.head_major,
                                       call.variant)
-    if product.in_cache and not terms.pair_terms and not near:  # the product alone: it divides in cache too
-        return product.run(ToeplitzCall(phi_q, phi_k, value, c, lengths=lengths, normalized=True)).to(query.dtype)
+    if product.in_cache and not terms.pair_terms and (near_field is not None or not near):  # it divides in cache too
+        return product.run(ToeplitzCall(phi_q, phi_k, value, c, lengths=lengths, normalized=True, near=near_field)
+                           ).to(query.dtype)
     u = values_and_ones(value) if product.reads_u else None
     out = terms.product(
-        lambda keys: product.run(ToeplitzCall(phi_q, keys, value, c, u, causal, route.band_width, lengths)),
+        lambda keys: product.run(ToeplitzCall(phi_q, keys, value, c, u, causal, band_width, lengths, near=near_field)),
         phi_q, phi_k, lambda: values_and_ones(value) if u is None else u, shift, route.algorithm, dtype,
     )
-    if near:  # the band's pairs: the exact kernel in place of the estimate
+    if near and near_field is None:  # the band's pairs: the exact kernel in place of the estimate
         u = values_and_ones(value) if u is None else u
         out = out + near_field_correction(query, key, phi_q, phi_k, u, c, near_width, causal, mask, logit_scale, terms,
                                           shift, dtype)

@@ -11,6 +11,7 @@ from the inputs runs a sequence at a time (`banded_toeplitz_backward`, for the l
 
 import itertools
 import re
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,7 @@ from .nprf_banded_far import FarStates, far_states_compiled, far_sums, far_sums_
 from .nprf_cpu_threads import parallel_items, parallel_slots, single_threaded
 from .nprf_dense import dense_toeplitz_attention
 from .nprf_features import values_and_ones
+from .nprf_near_field import padded_keys, split_near
 from .nprf_positions import diagonals
 
 
@@ -30,7 +32,7 @@ BANDED_REACH = 1
 BANDED_GROUP = 32
 
 
-def banded_toeplitz_attention(phi_q, phi_k, value, c, band_width, causal):
+def banded_toeplitz_attention(phi_q, phi_k, value, c, band_width, causal, near=None):
     """C = c_far^- [j < i] + c_far^+ [j > i] + a band of width W, all matmuls.
 
     The sequence is cut into chunks of size s with R s >= W - 1 (R chunks of reach). Queries of
@@ -38,14 +40,15 @@ def banded_toeplitz_attention(phi_q, phi_k, value, c, band_width, causal):
     coefficients c_{j-i} (one [s, (2R+1)s] Toeplitz block shared by all chunks); every key of chunks
     <= k-R-1 is at distance >= Rs + 1 >= W and weighs c_far^-, every key of chunks >= k+R+1 weighs
     c_far^+: those enter through prefix / suffix sums of the chunk states phi_k^T u. Causal drops
-    the chunks after k and the suffix sums.
+    the chunks after k and the suffix sums. `near` (an `nprf_near_field.NearField` no wider than the band): the
+    window's pairs closer than its width weigh its exact kernel instead of phi_q . phi_k.
     """
     batch, heads, n, m = phi_q.shape
     e = value.shape[-1] + 1
     reach, chunk = banded_chunking(band_width)
     num_chunks = -(-n // chunk)
     if num_chunks <= 2 * reach + 1:  # the window covers the whole sequence: this is the dense product
-        return dense_toeplitz_attention(phi_q, phi_k, values_and_ones(value), c)
+        return dense_toeplitz_attention(phi_q, phi_k, values_and_ones(value), c, near)
     q_chunks, k_rows, u_rows, window = _band_layout(phi_q, phi_k, value, reach, chunk, causal)
 
     # Near part. Query a and window key w are at distance r = w - R s - a; one [H, s, window]
@@ -61,7 +64,15 @@ def banded_toeplitz_attention(phi_q, phi_k, value, c, band_width, causal):
     else:
         with single_threaded(c.device):  # [H, s, window]: too small to split
             coefficients = c[:, _coefficient_index(n, chunk, reach, window, c.device)]
-    out = band_window_product(q_chunks, k_rows, u_rows, coefficients)
+    near_inputs = ()
+    if near is not None:  # the window holds every pair closer than the band: the exact kernel's too
+        coefficients, near_coefficients = split_near(coefficients, _offsets(chunk, reach, window, c.device), near.width)
+        padded = q_chunks.shape[0] // (batch * heads) * chunk
+        query = torch.cat([near.query, near.query.new_zeros(batch, heads, padded - n, near.query.shape[-1])], 2)
+        after = padded - n + (0 if causal else reach * chunk)
+        keys = padded_keys(near.key, reach * chunk, after).reshape(batch * heads, -1, near.key.shape[-1])
+        near_inputs = (query.reshape(-1, chunk, query.shape[-1]), keys, near_coefficients)
+    out = band_window_product(q_chunks, k_rows, u_rows, coefficients, *near_inputs)
 
     # Far part: chunk k gets c_far^- times the states of chunks <= k-R-1 (and c_far^+ times those >= k+R+1).
     states = _chunk_states(k_rows, u_rows, chunk).view(batch, heads, -1, m * e)
@@ -106,8 +117,12 @@ def _chunk_states(k_rows, u_rows, chunk):
 def _coefficient_index(n, chunk, reach, window, device):
     """[s, window] entries of c [H, 2n - 1] for query a and window key w, at distance r = w - R s - a (clamped
     entries only ever meet zero keys)."""
-    offsets = torch.arange(window, device=device)[None, :] - reach * chunk - torch.arange(chunk, device=device)[:, None]
-    return (offsets + n - 1).clamp(0, 2 * n - 2)
+    return (_offsets(chunk, reach, window, device) + n - 1).clamp(0, 2 * n - 2)
+
+
+def _offsets(chunk, reach, window, device):
+    """[s, window] distances r = w - R s - a of query a and window key w."""
+    return torch.arange(window, device=device)[None, :] - reach * chunk - torch.arange(chunk, device=device)[:, None]
 
 
 def banded_toeplitz_backward(phi_q, phi_k, value, c, band_width, causal, grad_out, needs_c=True):
@@ -151,7 +166,7 @@ def _sequence_backward(phi_q, phi_k, value, c, reach, chunk, causal, grad_out, n
     grad_chunks = F.pad(grad_out, (0, 0, 0, num_chunks * chunk - n)).reshape(-1, chunk, e)
     grad_q, grad_k, grad_u, grad_coefficients = _band_window_backward(
         q_chunks, k_rows, u_rows, c[:, index], grad_chunks, needs_c
-    )
+    )[:4]
     # Far part, out[k] += q[k] @ far[k] with far the prefix / suffix sums of the chunk states k_s^T u_s.
     states = _chunk_states(k_rows, u_rows, chunk).view(1, 1, -1, m * e)
     c_after = None if causal else c[:, -1]
@@ -196,7 +211,9 @@ _LIBRARY = _free_library(re.sub(r"\W", "_", __name__), "band_window_product")
 
 @torch.library.custom_op(f"{_LIBRARY}::band_window_product", mutates_args=())
 def band_window_product(
-    q: torch.Tensor, k_rows: torch.Tensor, u_rows: torch.Tensor, coefficients: torch.Tensor
+    q: torch.Tensor, k_rows: torch.Tensor, u_rows: torch.Tensor, coefficients: torch.Tensor,
+    q_near: Optional[torch.Tensor] = None, k_near_rows: Optional[torch.Tensor] = None,
+    near_coefficients: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """out[k] = ((q[k] @ K_k) * coefficients) @ U_k for every chunk k, K_k / U_k its window of keys.
 
@@ -204,46 +221,60 @@ def band_window_product(
     rows k*s .. k*s + window of its head; coefficients: [H, s, window]. Returns [B*H*chunks, s, e]. The
     [chunks, s, window] weights are the largest tensors of the banded algorithm: they are scaled in place, a group
     of chunks at a time so that they stay in cache, and backward recomputes them instead of keeping them.
+    The exact near field (all three or none): q_near [B*H*chunks, s, f], k_near_rows [B*H, rows, f] and
+    near_coefficients [H, s, window] add exp(q_near[k] @ K_near_k) * near_coefficients to the weights.
     """
     heads, chunk, window = coefficients.shape
     sequences = k_rows.shape[0]
     num_chunks = q.shape[0] // sequences
     k_windows = k_rows.unfold(1, window, chunk)  # [B*H, chunks, m, window], a view
     u_windows = u_rows.unfold(1, window, chunk).transpose(-1, -2)  # [B*H, chunks, window, e]
+    near = q_near is not None
+    k_near_windows = k_near_rows.unfold(1, window, chunk) if near else None
     out = q.new_empty(q.shape[0], chunk, u_rows.shape[-1])
-    # one buffer per thread, reused: no allocation per group
-    buffers = [q.new_empty(min(BANDED_GROUP, num_chunks), chunk, window)
+    # one buffer per thread (two with the near field), reused: no allocation per group
+    buffers = [q.new_empty(1 + near, min(BANDED_GROUP, num_chunks), chunk, window)
                for _ in range(parallel_slots(sequences, q.device))]
 
     def sequence_product(sequence, slot):
         for first, last, rows in _chunk_groups(sequence, num_chunks):
-            weights = torch.bmm(q[rows], k_windows[sequence, first:last], out=buffers[slot][: last - first])
-            torch.bmm(weights.mul_(coefficients[sequence % heads]), u_windows[sequence, first:last], out=out[rows])
+            weights = torch.bmm(q[rows], k_windows[sequence, first:last], out=buffers[slot][0, : last - first])
+            weights.mul_(coefficients[sequence % heads])
+            if near:
+                exact = torch.bmm(q_near[rows], k_near_windows[sequence, first:last], out=buffers[slot][1, : last - first])
+                weights.addcmul_(exact.exp_(), near_coefficients[sequence % heads])
+            torch.bmm(weights, u_windows[sequence, first:last], out=out[rows])
 
     parallel_items(sequences, sequence_product, q.device)
     return out
 
 
 @band_window_product.register_fake
-def _(q, k_rows, u_rows, coefficients):
+def _(q, k_rows, u_rows, coefficients, q_near=None, k_near_rows=None, near_coefficients=None):
     return q.new_empty(q.shape[0], coefficients.shape[1], u_rows.shape[-1])
 
 
 @torch.library.custom_op(f"{_LIBRARY}::band_window_product_backward", mutates_args=())
 def band_window_product_backward(
     q: torch.Tensor, k_rows: torch.Tensor, u_rows: torch.Tensor, coefficients: torch.Tensor, grad_out: torch.Tensor,
-    needs_coefficients: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(grad q, k_rows, u_rows, coefficients) of `band_window_product`; the last is empty unless
-    `needs_coefficients`."""
-    grads = _band_window_backward(q, k_rows, u_rows, coefficients, grad_out, needs_coefficients)
-    return (*grads[:3], grads[3] if needs_coefficients else coefficients.new_empty(0))
+    needs_coefficients: bool, q_near: Optional[torch.Tensor] = None, k_near_rows: Optional[torch.Tensor] = None,
+    near_coefficients: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad q, k_rows, u_rows, coefficients, q_near, k_near_rows, near_coefficients) of `band_window_product`; the
+    coefficients' are empty unless `needs_coefficients`, the near field's without it."""
+    grads = _band_window_backward(q, k_rows, u_rows, coefficients, grad_out, needs_coefficients,
+                                  q_near, k_near_rows, near_coefficients)
+    return tuple(coefficients.new_empty(0) if grad is None else grad for grad in grads)  # (distinct: no aliases)
 
 
 @band_window_product_backward.register_fake
-def _(q, k_rows, u_rows, coefficients, grad_out, needs_coefficients):
-    grad_coefficients = torch.empty_like(coefficients) if needs_coefficients else coefficients.new_empty(0)
-    return torch.empty_like(q), torch.empty_like(k_rows), torch.empty_like(u_rows), grad_coefficients
+def _(q, k_rows, u_rows, coefficients, grad_out, needs_coefficients, q_near=None, k_near_rows=None,
+      near_coefficients=None):
+    def like(t, needed=True):
+        return torch.empty_like(t) if t is not None and needed else coefficients.new_empty(0)
+
+    return (like(q), like(k_rows), like(u_rows), like(coefficients, needs_coefficients), like(q_near),
+            like(k_near_rows), like(near_coefficients, needs_coefficients))
 
 
 def _save_band_window_inputs(ctx, inputs, output):
@@ -251,33 +282,43 @@ def _save_band_window_inputs(ctx, inputs, output):
 
 
 def _band_window_product_grad(ctx, grad_out):
-    needs_coefficients = ctx.needs_input_grad[3]
-    grads = band_window_product_backward(*ctx.saved_tensors, grad_out, needs_coefficients)
-    return (*grads[:3], grads[3] if needs_coefficients else None)
+    needs_coefficients = ctx.needs_input_grad[3] or (len(ctx.needs_input_grad) > 6 and ctx.needs_input_grad[6])
+    q, k_rows, u_rows, coefficients, *near = ctx.saved_tensors
+    grads = band_window_product_backward(q, k_rows, u_rows, coefficients, grad_out, needs_coefficients, *near)
+    return tuple(grad if needed else None for grad, needed in zip(grads, ctx.needs_input_grad))
 
 
 band_window_product.register_autograd(_band_window_product_grad, setup_context=_save_band_window_inputs)
 
 
-def _band_window_backward(q, k_rows, u_rows, coefficients, grad_out, needs_coefficients):
-    """(grad q, k_rows, u_rows, coefficients or None) of `band_window_product` for grad_out [B*H*chunks, s, e]."""
+def _band_window_backward(q, k_rows, u_rows, coefficients, grad_out, needs_coefficients, q_near=None,
+                          k_near_rows=None, near_coefficients=None):
+    """(grad q, k_rows, u_rows, coefficients or None, q_near, k_near_rows, near_coefficients: None without the near
+    field) of `band_window_product` for grad_out [B*H*chunks, s, e]."""
     heads, chunk, window = coefficients.shape
     sequences = k_rows.shape[0]
     num_chunks = q.shape[0] // sequences
     k_windows = k_rows.unfold(1, window, chunk)  # [B*H, chunks, m, window]
     u_windows = u_rows.unfold(1, window, chunk)  # [B*H, chunks, e, window]
+    near = q_near is not None
     grad_out = grad_out.contiguous()
     grad_q = torch.empty_like(q)
     grad_k = torch.zeros_like(k_rows)
     grad_u = torch.zeros_like(u_rows)
     # per sequence (summed over the batch at the end, in a fixed order)
-    grad_coefficients = q.new_zeros(sequences, chunk, window) if needs_coefficients else None
+    grad_coefficients = q.new_zeros(1 + near, sequences, chunk, window) if needs_coefficients else None
+    grad_q_near = torch.empty_like(q_near) if near else None
+    grad_k_near = torch.zeros_like(k_near_rows) if near else None
+    k_near_windows = k_near_rows.unfold(1, window, chunk) if near else None
     group = min(BANDED_GROUP, num_chunks)  # per-thread buffers, reused: no allocation per group
-    buffers = [(*(q.new_empty(group, chunk, window) for _ in range(3)), q.new_empty(group, window, u_rows.shape[-1]),
-                q.new_empty(group, window, q.shape[-1])) for _ in range(parallel_slots(sequences, q.device))]
+    buffers = [(*(q.new_empty(group, chunk, window) for _ in range(3 + near)), q.new_empty(group, window, u_rows.shape[-1]),
+                q.new_empty(group, window, q.shape[-1]),
+                q.new_empty(group, window, q_near.shape[-1]) if near else None)
+               for _ in range(parallel_slots(sequences, q.device))]
 
     def sequence_backward(sequence, slot):
-        scores_buffer, grad_weights_buffer, product_buffer, grad_u_windows, grad_k_windows = buffers[slot]
+        scores_buffer, grad_weights_buffer, product_buffer, *exact_buffer, grad_u_windows, grad_k_windows, \
+            grad_k_near_windows = buffers[slot]
         for first, last, rows in _chunk_groups(sequence, num_chunks):
             coefficient, count = coefficients[sequence % heads], last - first
             q_group, grad_group = q[rows], grad_out[rows]
@@ -285,8 +326,18 @@ def _band_window_backward(q, k_rows, u_rows, coefficients, grad_out, needs_coeff
             scores = torch.bmm(q_group, k_group, out=scores_buffer[:count])
             grad_weights = torch.bmm(grad_group, u_group, out=grad_weights_buffer[:count])
             if grad_coefficients is not None:
-                grad_coefficients[sequence] += torch.mul(scores, grad_weights, out=product_buffer[:count]).sum(0)
+                grad_coefficients[0, sequence] += torch.mul(scores, grad_weights, out=product_buffer[:count]).sum(0)
             weights = scores.mul_(coefficient)
+            if near:  # w += exp(q_near K_near) * near_coefficients: its logits' gradient exp(.) * dL/dw * near_coefficients
+                near_coefficient, k_near_group = near_coefficients[sequence % heads], k_near_windows[sequence, first:last]
+                exact = torch.bmm(q_near[rows], k_near_group, out=exact_buffer[0][:count]).exp_()
+                if grad_coefficients is not None:
+                    grad_coefficients[1, sequence] += torch.mul(exact, grad_weights, out=product_buffer[:count]).sum(0)
+                weights.addcmul_(exact, near_coefficient)
+                grad_logits = exact.mul_(grad_weights).mul_(near_coefficient)
+                torch.bmm(grad_logits, k_near_group.transpose(-1, -2), out=grad_q_near[rows])
+                torch.bmm(grad_logits.transpose(-1, -2), q_near[rows], out=grad_k_near_windows[:count])
+                _fold_windows(grad_k_near_windows[:count], grad_k_near[sequence], first, chunk)
             torch.bmm(weights.transpose(-1, -2), grad_group, out=grad_u_windows[:count])
             _fold_windows(grad_u_windows[:count], grad_u[sequence], first, chunk)
             grad_scores = grad_weights.mul_(coefficient)
@@ -295,9 +346,12 @@ def _band_window_backward(q, k_rows, u_rows, coefficients, grad_out, needs_coeff
             _fold_windows(grad_k_windows[:count], grad_k[sequence], first, chunk)
 
     parallel_items(sequences, sequence_backward, q.device)
+    grad_near_coefficients = None
     if grad_coefficients is not None:
-        grad_coefficients = grad_coefficients.view(-1, heads, chunk, window).sum(0)
-    return grad_q, grad_k, grad_u, grad_coefficients
+        grad_coefficients = grad_coefficients.view(1 + near, -1, heads, chunk, window).sum(1)
+        # (copies: an op's outputs may not alias each other)
+        grad_coefficients, grad_near_coefficients = grad_coefficients[0].clone(), (grad_coefficients[1].clone() if near else None)
+    return grad_q, grad_k, grad_u, grad_coefficients, grad_q_near, grad_k_near, grad_near_coefficients
 
 
 def _chunk_groups(sequence, num_chunks):

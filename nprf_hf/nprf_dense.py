@@ -29,31 +29,51 @@ from .nprf_positions import toeplitz_matrix
 DENSE_GROUP_BYTES = 1 << 22
 
 
-def dense_toeplitz_attention(phi_q, phi_k, u, c):
-    """O(n^2 (m + e)): the n x n weights, then one matmul."""
-    weights = (phi_q @ phi_k.transpose(-1, -2)) * toeplitz_matrix(c, phi_q.shape[-2])
-    return weights @ u
+def dense_toeplitz_attention(phi_q, phi_k, u, c, near=None):
+    """O(n^2 (m + e)): the n x n weights, then one matmul. `near`: an `nprf_near_field.NearField`, whose exact
+    kernel replaces phi_q . phi_k for the pairs closer than its width."""
+    n = phi_q.shape[-2]
+    kernel = phi_q @ phi_k.transpose(-1, -2)
+    if near is not None:
+        positions = torch.arange(n, device=phi_q.device)
+        inside = (positions[None, :] - positions[:, None]).abs() < near.width
+        kernel = torch.where(inside, torch.exp(near.query @ near.key.transpose(-1, -2)), kernel)
+    return (kernel * toeplitz_matrix(c, n)) @ u
 
 
-def dense_toeplitz_inference(phi_q, phi_k, value, c, key_lengths, normalized=False):
+def dense_toeplitz_inference(phi_q, phi_k, value, c, key_lengths, normalized=False, near=None):
     """`dense_toeplitz_attention` without autograd, from the values [B, H, n, d_v] (the denominators are the
     weights' row sums): a few heads at a time, so that their n x n weights are scaled by C and read twice
     while they are in cache, and each sequence's keys cut after its last kept one (`key_lengths` [B] ints;
     the keys after it are padding, whose features are zero). Features may be strided (head-major).
     Returns [B, H, n, d_v + 1], or with `normalized` the attention output [B, H, n, d_v] (divided by
-    `kept_denominator`: rows with no key, whose denominator is exactly 0 here, give zeros)."""
-    return _dense_forward(phi_q, phi_k, value, c, key_lengths, normalized)[0]
+    `kept_denominator`: rows with no key, whose denominator is exactly 0 here, give zeros). `near`: an
+    `nprf_near_field.NearField` (as in `dense_toeplitz_attention`)."""
+    near = () if near is None else (near.query, near.key, near.width)
+    return _dense_forward(phi_q, phi_k, value, c, key_lengths, normalized, *near)[0]
 
 
-def _dense_forward(phi_q, phi_k, value, c, key_lengths, normalized):
+def _near_toeplitz(c, n, width):
+    """(C far, C near) [H, n, n]: C without, and only, the pairs closer than `width` (C alone without a width)."""
+    toeplitz = toeplitz_matrix(c, n)
+    if width is None:
+        return toeplitz, None
+    positions = torch.arange(n, device=c.device)
+    inside = (positions[None, :] - positions[:, None]).abs() < width
+    return toeplitz.masked_fill(inside, 0.0), toeplitz.masked_fill(~inside, 0.0)
+
+
+def _dense_forward(phi_q, phi_k, value, c, key_lengths, normalized, q_near=None, k_near=None, width=None):
     """(out, divisors): `dense_toeplitz_inference`'s output and, when normalized, the divisors [B, H, n, 1] used
-    (the denominators, inf for rows with no key)."""
+    (the denominators, inf for rows with no key); the near field given as its query, key and width."""
     batch, heads, n, _ = phi_q.shape
     d = value.shape[-1]
-    toeplitz = toeplitz_matrix(c, n)
-    group = _head_group(heads, n, phi_q.element_size(), 1)
+    toeplitz, near_toeplitz = _near_toeplitz(c, n, width)
+    near = near_toeplitz is not None
+    group = _head_group(heads, n, phi_q.element_size(), 1 + near)
     # per thread (a sequence per thread on the CPU: `nprf_cpu_threads`)
-    buffers = [(phi_q.new_empty(group * n * n), None if normalized else phi_q.new_empty(group, n, d))
+    buffers = [(phi_q.new_empty(group * n * n), None if normalized else phi_q.new_empty(group, n, d),
+                phi_q.new_empty(group * n * n) if near else None)
                for _ in range(parallel_slots(batch, phi_q.device))]
     out = phi_q.new_empty(batch, heads, n, d if normalized else d + 1)
     divisors = phi_q.new_empty(batch, heads, n, 1) if normalized else None
@@ -65,12 +85,16 @@ def _dense_forward(phi_q, phi_k, value, c, key_lengths, normalized):
             if normalized:
                 divisors[b].fill_(float("inf"))
             return
-        weights_buffer, numerator = buffers[slot]
+        weights_buffer, numerator, exact_buffer = buffers[slot]
         for first in range(0, heads, group):
             last = min(first + group, heads)
             weights = weights_buffer[: (last - first) * n * length].view(last - first, n, length)
             torch.matmul(phi_q[b, first:last], phi_k[b, first:last, :length].transpose(-1, -2), out=weights)
             weights.mul_(toeplitz[first:last, :, :length])
+            if near:
+                exact = exact_buffer[: (last - first) * n * length].view(last - first, n, length)
+                torch.matmul(q_near[b, first:last], k_near[b, first:last, :length].transpose(-1, -2), out=exact)
+                weights.addcmul_(exact.exp_(), near_toeplitz[first:last, :, :length])
             if normalized:
                 divisor = divisors[b, first:last]
                 divisor.copy_(kept_denominator(weights.sum(-1, keepdim=True)))
@@ -83,7 +107,7 @@ def _dense_forward(phi_q, phi_k, value, c, key_lengths, normalized):
     return out, divisors
 
 
-def dense_toeplitz_training(phi_q, phi_k, value, c, key_lengths, normalized=False):
+def dense_toeplitz_training(phi_q, phi_k, value, c, key_lengths, normalized=False, near=None):
     """`dense_toeplitz_attention` for autograd, from the values [B, H, n, d_v] as `dense_toeplitz_inference` (the
     denominators are the weights' row sums), without its two [B, H, n, n] tensors (phi_q phi_k^T and the weights)
     kept from forward to backward: forward and backward run a few heads of one sequence at a time, so that their
@@ -91,8 +115,10 @@ def dense_toeplitz_training(phi_q, phi_k, value, c, key_lengths, normalized=Fals
     The keys of sequence b from `key_lengths[b]` on are skipped (they must be zero: padding), and their gradient
     is returned as zero: the features of padded keys are the mask times the feature map, so it reaches nothing.
     Returns [B, H, n, d_v + 1], or with `normalized` the attention output [B, H, n, d_v] (rows with no key zero;
-    it then also keeps that output and the divisors [B, H, n, 1], whose backward it computes in cache)."""
-    return _DenseToeplitzProduct.apply(phi_q, phi_k, value, c, tuple(key_lengths), normalized)
+    it then also keeps that output and the divisors [B, H, n, 1], whose backward it computes in cache). `near`: an
+    `nprf_near_field.NearField` (as in `dense_toeplitz_attention`)."""
+    near = (None, None, None) if near is None else (near.query, near.key, near.width)
+    return _DenseToeplitzProduct.apply(phi_q, phi_k, value, c, tuple(key_lengths), normalized, *near)
 
 
 def _head_group(heads, n, element_size, buffers):
@@ -105,20 +131,25 @@ class _DenseToeplitzProduct(torch.autograd.Function):
     `dense_toeplitz_training`."""
 
     @staticmethod
-    def forward(ctx, phi_q, phi_k, value, c, lengths, normalized):
-        out, divisors = _dense_forward(phi_q, phi_k, value, c, lengths, normalized)
-        ctx.save_for_backward(phi_q, phi_k, value, c, *((out, divisors) if normalized else ()))
-        ctx.lengths, ctx.normalized = lengths, normalized
+    def forward(ctx, phi_q, phi_k, value, c, lengths, normalized, q_near, k_near, width):
+        out, divisors = _dense_forward(phi_q, phi_k, value, c, lengths, normalized, q_near, k_near, width)
+        ctx.save_for_backward(phi_q, phi_k, value, c, q_near, k_near, *((out, divisors) if normalized else ()))
+        ctx.lengths, ctx.normalized, ctx.width = lengths, normalized, width
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        phi_q, phi_k, value, c, *normalized = ctx.saved_tensors
+        phi_q, phi_k, value, c, q_near, k_near, *normalized = ctx.saved_tensors
         batch, heads, n, _ = phi_q.shape
         d = value.shape[-1]
         need_q, need_k, need_v, need_c = ctx.needs_input_grad[:4]
-        toeplitz = toeplitz_matrix(c, n)
+        toeplitz, near_toeplitz = _near_toeplitz(c, n, ctx.width)
+        near = near_toeplitz is not None
+        need_q_near, need_k_near = (ctx.needs_input_grad[6:8]) if near else (False, False)
+        inside = near_toeplitz.new_ones(n, n, dtype=torch.bool).triu(1 - ctx.width).tril(ctx.width - 1) if near else None
+        grad_q_near = torch.zeros_like(q_near) if need_q_near else None
+        grad_k_near = torch.zeros_like(k_near) if need_k_near else None
         if ctx.normalized:
             out, divisors = normalized
             grad_out = grad_out.contiguous()
@@ -128,18 +159,19 @@ class _DenseToeplitzProduct(torch.autograd.Function):
         grad_q = torch.zeros_like(phi_q) if need_q else None
         grad_k = torch.zeros_like(phi_k) if need_k else None
         grad_v = torch.zeros_like(value) if need_v else None
-        group = _head_group(heads, n, phi_q.element_size(), 2)
+        group = _head_group(heads, n, phi_q.element_size(), 2 + near)
         # per thread, a sequence per thread on the CPU; C's gradient summed per thread, each thread's sequences
         # fixed (`static`), then over the threads in order: the same on every run
         slots = parallel_slots(batch, phi_q.device)
         buffers = [(phi_q.new_empty(group * n * n), phi_q.new_empty(group * n * n),
-                    phi_q.new_zeros(heads, n, n) if need_c else None) for _ in range(slots)]
+                    phi_q.new_zeros(heads, n, n) if need_c else None, phi_q.new_empty(group * n * n) if near else None)
+                   for _ in range(slots)]
 
         def sequence_backward(b, slot):
             length = ctx.lengths[b]
             if length == 0:
                 return
-            products, weights_buffer, grad_toeplitz = buffers[slot]
+            products, weights_buffer, grad_toeplitz, exact_buffer = buffers[slot]
             for first in range(0, heads, group):
                 last = min(first + group, heads)
                 heads_ = slice(first, last)
@@ -153,13 +185,29 @@ class _DenseToeplitzProduct(torch.autograd.Function):
                 product = products[: (last - first) * n * length].view(last - first, n, length)
                 grad_weights = weights_buffer[: (last - first) * n * length].view(last - first, n, length)
                 torch.matmul(q, k.transpose(-1, -2), out=product)
+                if near:  # w = (phi_q . phi_k) C_far + exp(q_near . k_near) C_near
+                    near_scale = near_toeplitz[heads_, :, :length]
+                    exact = exact_buffer[: (last - first) * n * length].view(last - first, n, length)
+                    k_near_ = k_near[b, heads_, :length]
+                    torch.matmul(q_near[b, heads_], k_near_.transpose(-1, -2), out=exact).exp_()
                 if need_v:  # dL/dv_j = sum_i w_ij dL/dnumerator_i
                     torch.mul(product, scale, out=grad_weights)
+                    if near:
+                        grad_weights.addcmul_(exact, near_scale)
                     torch.matmul(grad_weights.transpose(-1, -2), g, out=grad_v[b, heads_, :length])
                 # dL/dw_ij = dL/dnumerator_i . v_j + dL/ddenominator_i
                 torch.baddbmm(grad_denominator_, g, v.transpose(-1, -2), out=grad_weights)
-                if need_c:  # dL/dC_ij = dL/dw_ij (phi_q_i . phi_k_j), summed over the batch
+                if need_c:  # dL/dC_ij = dL/dw_ij (phi_q_i . phi_k_j), or exp(q_near . k_near) in the near field
                     grad_toeplitz[heads_, :, :length].addcmul_(grad_weights, product)
+                    if near:  # (in the near field: exp(q_near . k_near) instead of phi_q . phi_k)
+                        difference = torch.where(inside[:, :length], exact - product, 0.0)
+                        grad_toeplitz[heads_, :, :length].addcmul_(grad_weights, difference)
+                if near and (need_q_near or need_k_near):  # dL/dlogit = dL/dw exp(logit) C_near
+                    grad_logits = exact.mul_(grad_weights).mul_(near_scale)
+                    if need_q_near:
+                        torch.matmul(grad_logits, k_near_, out=grad_q_near[b, heads_])
+                    if need_k_near:
+                        torch.matmul(grad_logits.transpose(-1, -2), q_near[b, heads_], out=grad_k_near[b, heads_, :length])
                 grad_weights.mul_(scale)  # dL/d(phi_q_i . phi_k_j)
                 if need_q:
                     torch.matmul(grad_weights, k, out=grad_q[b, heads_])
@@ -175,7 +223,7 @@ class _DenseToeplitzProduct(torch.autograd.Function):
             for buffer in buffers[1:]:
                 grad_toeplitz.add_(buffer[2])
             grad_c = torch.zeros_like(c).scatter_add_(1, index, grad_toeplitz.reshape(heads, -1))
-        return grad_q, grad_k, grad_v, grad_c, None, None
+        return grad_q, grad_k, grad_v, grad_c, None, None, grad_q_near, grad_k_near, None
 
 
 def key_lengths(mask, batch, n):

@@ -128,6 +128,7 @@ class ToeplitzCall(NamedTuple):
     band_width: Optional[int] = None  # W of the banded rows
     lengths: Optional[Sequence[int]] = None  # the in-cache rows' [B] key lengths (`nprf_dense.key_lengths`)
     normalized: bool = False
+    near: Optional[object] = None  # the exact near field (`nprf_near_field.NearField`), for the rows that read it
 
 
 class AttentionCall(NamedTuple):
@@ -171,18 +172,20 @@ class Product(NamedTuple):
     in_cache: bool = False  # reads the key lengths (a host sync: eager only) and can divide in cache (`normalized`)
     head_major: bool = False  # reads head-major features
     reads_u: bool = False  # reads `ToeplitzCall.u`
+    near: bool = False  # reads `ToeplitzCall.near` (the others' near field is their output's correction)
 
 
 def _dense(call):
-    return dense_toeplitz_attention(call.phi_q, call.phi_k, call.u, call.c)
+    return dense_toeplitz_attention(call.phi_q, call.phi_k, call.u, call.c, call.near)
 
 
 def _dense_training(call):
-    return dense_toeplitz_training(call.phi_q, call.phi_k, call.value, call.c, call.lengths, call.normalized)
+    return dense_toeplitz_training(call.phi_q, call.phi_k, call.value, call.c, call.lengths, call.normalized, call.near)
 
 
 def _dense_inference(call):
-    return dense_toeplitz_inference(call.phi_q, call.phi_k, call.value, call.c, call.lengths, call.normalized)
+    return dense_toeplitz_inference(call.phi_q, call.phi_k, call.value, call.c, call.lengths, call.normalized,
+                                    call.near)
 
 
 def _fft(call):
@@ -194,7 +197,7 @@ def _fft_inference(call):
 
 
 def _banded(call):
-    return banded_toeplitz_attention(call.phi_q, call.phi_k, call.value, call.c, call.band_width, call.causal)
+    return banded_toeplitz_attention(call.phi_q, call.phi_k, call.value, call.c, call.band_width, call.causal, call.near)
 
 
 def _banded_recomputed(call, route):
@@ -215,14 +218,14 @@ def _triton(call, route):
 # banded row. An algorithm without a "recompute" row (or a call whose terms' gradient reads the product's value)
 # recomputes as "checkpoint": the whole call under activation checkpointing.
 PRODUCTS = {
-    ("torch", "dense", "autograd"): Product(_dense, reads_u=True),
+    ("torch", "dense", "autograd"): Product(_dense, reads_u=True, near=True),
     # in cache, a few heads at a time, keys after each sequence's last kept one skipped; training rebuilds the n x n
     # weights in backward instead of keeping them
-    ("torch", "dense", "training"): Product(_dense_training, in_cache=True),
-    ("torch", "dense", "inference"): Product(_dense_inference, in_cache=True, head_major=True),
+    ("torch", "dense", "training"): Product(_dense_training, in_cache=True, near=True),
+    ("torch", "dense", "inference"): Product(_dense_inference, in_cache=True, head_major=True, near=True),
     ("torch", "fft", "autograd"): Product(_fft, reads_u=True),  # (takes its inference mode itself without autograd)
     ("torch", "fft", "inference"): Product(_fft_inference, reads_u=True),
-    ("torch", "banded", "autograd"): Product(_banded),  # (compiled: its near product an opaque op, `nprf_banded`)
+    ("torch", "banded", "autograd"): Product(_banded, near=True),  # (compiled: its window product an opaque op)
     ("torch", "banded", "recompute"): Product(_banded_recomputed, whole=True),  # features rebuilt in backward
     ("triton", "banded", "autograd"): Product(_triton, whole=True),  # fused kernels, features inside
 }
@@ -256,12 +259,14 @@ def choose_route(call, requested):
     return Route(backend, algorithm, mode, band_width, requested)
 
 
-def toeplitz_product(route, inference):
+def toeplitz_product(route, inference, near=False):
     """The product row functional's pipeline runs for `route`: eager, the algorithm's "inference" row (nothing the
-    product reads requires grad) or "training" row; compiled, or where it has none, its "autograd" row."""
+    product reads requires grad) or "training" row; compiled, or where it has none, its "autograd" row. `near`: a
+    row that reads the exact near field where the algorithm has one."""
     mode = "autograd" if torch.compiler.is_compiling() else "inference" if inference else "training"
     row = PRODUCTS.get((route.backend, route.algorithm, mode))
-    return PRODUCTS[route.backend, route.algorithm, "autograd"] if row is None else row
+    autograd = PRODUCTS[route.backend, route.algorithm, "autograd"]
+    return autograd if row is None or (near and not row.near and autograd.near) else row
 
 
 def run_attention(call, route, pipeline):

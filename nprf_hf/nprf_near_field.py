@@ -12,9 +12,48 @@ sum_{|j-i|<W} P_ij (exp(s q_hat_i . k_hat_j) - phi_i . phi_j) [v_j | 1], O(n W (
 queries at a time against the window of keys their band reaches. Pure functions, no state.
 """
 
+from typing import NamedTuple
+
 import torch
 
 from .nprf_features import NORM_EPS, row_norms
+
+
+# An exponent far below any near-field logit (|s q_hat . k_hat| <= s): its exp is 0 in every float dtype, and unlike
+# -inf it stays finite times a zero query row (no NaN).
+MASKED_LOGIT = -1e4
+
+
+class NearField(NamedTuple):
+    """The exact near field as a Toeplitz product reads it: exp(query_i . key_j) is the exact kernel for |j - i| <
+    width, zero for padded keys. query [B, H, n, d + 1]: sqrt(s) q / |q| and a column of ones; key [B, H, n, d + 1]:
+    sqrt(s) k / |k| and a column of 0 (kept) or MASKED_LOGIT (padded)."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    width: int
+
+
+def near_field_inputs(query, key, mask, logit_scale, width, dtype):
+    """The `NearField` of query, key [B, H, n, d] (in `dtype`), mask [B, n] float (1 = keep) or None."""
+    q, k = scaled_unit(query.to(dtype), logit_scale), scaled_unit(key.to(dtype), logit_scale)
+    ones = q.new_ones(*q.shape[:-1], 1)
+    kept = ones if mask is None else mask[:, None, :, None].to(dtype).expand_as(ones)
+    return NearField(torch.cat([q, ones], -1), torch.cat([k, (1.0 - kept) * MASKED_LOGIT], -1), width)
+
+
+def padded_keys(key, before, after):
+    """key [B, H, n, f] of a `NearField` with `before` / `after` rows of a padded key (zeros, MASKED_LOGIT last)."""
+    batch, heads, n, features = key.shape
+    row = key.new_zeros(features)
+    row[-1] = MASKED_LOGIT
+    return torch.cat([row.expand(batch, heads, before, features), key, row.expand(batch, heads, after, features)], 2)
+
+
+def split_near(coefficients, distance, width):
+    """(far, near) parts of a coefficient tile by the distance j - i of its entries (broadcastable to it)."""
+    inside = distance.abs() < width
+    return coefficients.masked_fill(inside, 0.0), coefficients.masked_fill(~inside, 0.0)
 
 
 def scaled_unit(x, logit_scale=None):
@@ -90,7 +129,8 @@ def near_field_correction(query, key, phi_q, phi_k, u, c, width, causal, mask, l
     if mask is not None:
         keep = keep * windows(mask[:, None, :, None].expand(batch, 1, n, 1)).transpose(-1, -2)
     difference = (exact - estimate) * keep  # [B, H, chunks, chunk, window]
-    coefficients = c[:, (distance.clamp(-(n - 1), n - 1) + n - 1)]  # [H, chunks, chunk, window]
+    # the distance of (a, w) is the same in every chunk: one [H, 1, chunk, window] block of c serves them all
+    coefficients = c[:, (distance[:1].clamp(-(n - 1), n - 1) + n - 1)]
     pairs = (query_positions.clamp_max(n - 1), key_positions.clamp(0, n - 1))
     weights = terms.weights(difference, coefficients[None], shift, dtype, pairs=pairs)
     out = weights @ windows(u)  # [B, H, chunks, chunk, e]
