@@ -11,6 +11,8 @@ from nprf_hf import nprf_banded
 from nprf_hf.nprf_naive import naive_attention
 from nprf_hf.options import ATTENTION_VARIANTS
 
+from tolerances import attention_rounding
+
 
 LINEAR = ("nprf", "prf", "elu_linear")  # kernels factored into features: every exact algorithm applies
 QUADRATIC = ("normalized_softmax", "softmax")  # the exact kernels, computed densely
@@ -62,17 +64,18 @@ def test_variant_matches_reference_with_gradients(variant, algorithm, causal, sm
     out = Fn.nprf_attention(q, k, v, bias, projection, mask, algorithm=algorithm, causal=causal,
                             band_width=Fn.rpe_band_width(16, 40, not causal), variant=variant)
     ref = reference_variant(q, k, v, bias, projection, variant, mask, causal)
-    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-11)
+    rounding = attention_rounding(q, k, v, bias, projection, ref, mask, causal, algorithm, variant=variant)
+    rounding.assert_values(out, ref)
     weights = torch.randn_like(ref)
     grads = torch.autograd.grad((out * weights).sum(), (q, k, v, table), retain_graph=True)
     expected = torch.autograd.grad((ref * weights).sum(), (q, k, v, table))
-    for got, want in zip(grads, expected):
-        torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-10)
+    rounding.assert_gradients(grads, expected, ("q", "k", "v", "table"))
     implied = Fn.nprf_attention_weights(q, k, bias, projection, mask, causal=causal, variant=variant)
-    torch.testing.assert_close(implied @ v, ref, rtol=1e-9, atol=1e-11)
+    attention_rounding(q, k, v, bias, projection, ref, mask, causal, "dense", variant=variant).assert_values(
+        implied @ v, ref, "implied weights")
     with torch.no_grad():  # the inference paths
-        torch.testing.assert_close(Fn.nprf_attention(q, k, v, bias, projection, mask, algorithm=algorithm,
-                                                     causal=causal, variant=variant), ref, rtol=1e-9, atol=1e-11)
+        rounding.assert_values(Fn.nprf_attention(q, k, v, bias, projection, mask, algorithm=algorithm, causal=causal,
+                                                 variant=variant), ref, "inference")
 
 
 @pytest.mark.parametrize("variant", LINEAR + QUADRATIC)
@@ -89,11 +92,12 @@ def test_variant_terms_match_reference(variant):
     terms = dict(segment_ids=segment_ids, segment_bias=beta, token_ids=token_ids, match_weight=mu)
     out = Fn.nprf_attention(q, k, v, bias, projection, mask, variant=variant, logit_scale=scale, **terms)
     ref = reference_variant(q, k, v, bias, projection, variant, mask, logit_scale=scale, **terms)
-    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-11)
+    rounding = attention_rounding(q, k, v, bias, projection, ref, mask, False, "auto", logit_scale=scale,
+                                  variant=variant, **terms)
+    rounding.assert_values(out, ref)
     grads = torch.autograd.grad(out.sum(), (beta, mu), retain_graph=True)
     expected = torch.autograd.grad(ref.sum(), (beta, mu))
-    for got, want in zip(grads, expected):
-        torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-10)
+    rounding.assert_gradients(grads, expected, ("segment_bias", "match_weight"))
 
 
 def test_logit_scale_needs_a_normalized_variant_and_quadratic_needs_dense():
@@ -151,9 +155,9 @@ def test_without_relative_position_bias_there_is_no_table():
     assert not [name for name, _ in model.named_parameters() if "rpe_table" in name]
     q, k, v, projection, _, mask = random_case(n=10)
     zero = torch.zeros(2, 19, dtype=torch.float64)
-    torch.testing.assert_close(
-        Fn.nprf_attention(q, k, v, zero, projection, mask),
-        reference_variant(q, k, v, zero, projection, "nprf", mask), rtol=1e-9, atol=1e-11)
+    ref = reference_variant(q, k, v, zero, projection, "nprf", mask)
+    attention_rounding(q, k, v, zero, projection, ref, mask, False, "auto").assert_values(
+        Fn.nprf_attention(q, k, v, zero, projection, mask), ref)
 
 
 @pytest.mark.parametrize("trained", ["normalized_softmax", "softmax"])
