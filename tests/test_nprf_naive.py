@@ -8,6 +8,8 @@ import torch
 
 from nprf_hf.nprf_naive import naive_attention, naive_attention_weights
 
+from tolerances import direct_rounding, feature_rounding, unit_roundoff
+
 
 def case(batch=2, heads=3, n=11, d=4, seed=0):
     generator = torch.Generator().manual_seed(seed)
@@ -107,6 +109,17 @@ def tensors(*lists):
     return (torch.tensor(x, dtype=torch.float64) for x in lists)
 
 
+def hand_rtol(variant, gamma=(0.0, 0.0)):
+    """Relative tolerance of the reference's weights against `hand_weights`: two direct float64 evaluations of the
+    same normalized weights, `tolerances.direct_rounding` for these sizes (n = 3, d = 2, m = 3) and exponents each
+    (was a fixed 1e-12)."""
+    q, k, w = tensors([Q], [K], W)
+    exponent, count = feature_rounding(q, k, w, variant)
+    features = {"softmax": 1, "elu_linear": 2}.get(variant, 3)
+    span = max(max(row) - min(row) for row in BIAS) + max(abs(g) for g in gamma)
+    return 2 * unit_roundoff(torch.float64) * direct_rounding(3, features, exponent, count, span)
+
+
 def hand_weights(kappa, first_key_bias=None, causal=False):
     """[1, H, n, n]: w_ij = kappa(h, q_i, k_j) exp(b_{j-i} + gamma [j = 0]), rows normalised, with loops."""
     heads, n = len(Q), len(Q[0])
@@ -144,7 +157,7 @@ def test_first_key_bias_adds_gamma_to_the_exponent_of_key_zero_only():
     for causal in (False, True):
         expected = hand_weights(softmax_kappa, [1.5, -2.0], causal)
         weights = naive_attention_weights(q, k, bias, None, None, causal, variant="softmax", first_key_bias=gamma)
-        torch.testing.assert_close(weights, expected, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(weights, expected, rtol=hand_rtol("softmax", [1.5, -2.0]), atol=0)
     # the bias moves weight onto key 0 in head 0 and off it in head 1
     plain = naive_attention_weights(q, k, bias, None, variant="softmax")
     biased = naive_attention_weights(q, k, bias, None, variant="softmax", first_key_bias=gamma)
@@ -159,7 +172,7 @@ def test_prf_kernel_is_the_feature_dot_product_of_d_quarter_scaled_inputs():
 
     for causal in (False, True):
         weights = naive_attention_weights(q, k, bias, w, None, causal, variant="prf")
-        torch.testing.assert_close(weights, hand_weights(kappa, causal=causal), rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(weights, hand_weights(kappa, causal=causal), rtol=hand_rtol("prf"), atol=0)
     # per-head projections: head h uses its own rows
     other = [[-0.2, 0.5], [1.1, 0.1], [0.3, -0.8]]
 
@@ -168,7 +181,7 @@ def test_prf_kernel_is_the_feature_dot_product_of_d_quarter_scaled_inputs():
         return dot(prf_features(x, rows), prf_features(y, rows))
 
     weights = naive_attention_weights(q, k, bias, torch.tensor([W, other], dtype=torch.float64), variant="prf")
-    torch.testing.assert_close(weights, hand_weights(per_head), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(weights, hand_weights(per_head), rtol=hand_rtol("prf"), atol=0)
 
 
 def test_elu_linear_kernel_is_the_dot_product_of_elu_plus_one():
@@ -179,4 +192,4 @@ def test_elu_linear_kernel_is_the_dot_product_of_elu_plus_one():
 
     for causal in (False, True):
         weights = naive_attention_weights(q, k, bias, None, None, causal, variant="elu_linear")
-        torch.testing.assert_close(weights, hand_weights(kappa, causal=causal), rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(weights, hand_weights(kappa, causal=causal), rtol=hand_rtol("elu_linear"), atol=0)
