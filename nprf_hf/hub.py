@@ -116,8 +116,8 @@ def exit_if_missing_source(prog, options, argv=None):
     given = {}
     for index, argument in enumerate(argv):
         name, equals, value = argument.partition("=")
-        if not equals:
-            value = argv[index + 1] if index + 1 < len(argv) else None
+        if not equals:  # a missing value (the next option instead) is left to the script's own parser
+            value = argv[index + 1] if index + 1 < len(argv) and not argv[index + 1].startswith("--") else None
         if name.startswith("--") and value is not None:
             given.setdefault(name, value)
     hub = dict(revision=given.get("--model_revision", given.get("--revision")), cache_dir=given.get("--cache_dir"),
