@@ -185,8 +185,8 @@ class Rounding:
     def __init__(self, values, gradient):
         self.values, self.gradient = values, gradient
 
-    def assert_values(self, actual, expected, msg="values"):
-        assert_within(actual, expected, self.values, msg)
+    def assert_values(self, actual, expected, msg="values", equal_nan=False):
+        assert_within(actual, expected, self.values, msg, equal_nan)
 
     def assert_gradients(self, got, want, names=None):
         for index, (g, w) in enumerate(zip(got, want)):
@@ -256,13 +256,13 @@ def attention_rounding(query, key, value, bias, projection, reference, mask=None
     return Rounding(values, gradient)
 
 
-def assert_within(actual, expected, bound, msg=""):
-    """|actual - expected| <= bound elementwise (NaN where both are NaN passes), with the worst element and its
-    ratio to the bound in the message."""
+def assert_within(actual, expected, bound, msg="", equal_nan=False):
+    """|actual - expected| <= bound elementwise (with `equal_nan`, NaN where both are NaN passes), with the worst
+    element and its ratio to the bound in the message."""
     assert actual.shape == expected.shape, (actual.shape, expected.shape)
     difference = (actual.detach().double() - expected.detach().double()).abs()
-    both_nan = torch.isnan(actual) & torch.isnan(expected)
-    difference = torch.where(both_nan, 0.0, difference)
+    if equal_nan:
+        difference = torch.where(torch.isnan(actual) & torch.isnan(expected), 0.0, difference)
     bound = torch.as_tensor(bound, dtype=torch.float64).expand_as(difference)
     ratio = difference / bound.clamp_min(torch.finfo(torch.float64).tiny)
     worst = int(ratio.flatten().nan_to_num(float("inf")).argmax())
@@ -344,6 +344,23 @@ def normalized_product_gradient_bounds(phi_q, phi_k, value, c, reference, grad_o
 # --- inside the models ----------------------------------------------------------------------------------------
 
 
+def _term_keywords(terms):
+    """`attention_rounding`'s keywords for an `nprf_terms.AttentionTerms` (the models pass their terms as one object)."""
+    from nprf_hf.nprf_terms import FirstTokenBias, LogitScale, SegmentBias, TokenMatch
+
+    keywords = {}
+    for term in () if terms is None else terms.terms:
+        if isinstance(term, LogitScale):
+            keywords["logit_scale"] = term.scale
+        elif isinstance(term, SegmentBias):
+            keywords.update(segment_ids=term.segment_ids, segment_bias=term.bias)
+        elif isinstance(term, FirstTokenBias):
+            keywords["first_key_bias"] = term.bias
+        elif not isinstance(term, TokenMatch):  # the matches only raise D_i (`attention_rounding`)
+            raise NotImplementedError(f"no bounds for the term {type(term).__name__}")
+    return keywords
+
+
 @contextlib.contextmanager
 def attention_checked_against(against="dense", model=WORST):
     """Inside the models (`nprf_attention` as `modeling_nprf` and the decoders' cache `cache_nprf` call it):
@@ -364,16 +381,13 @@ def attention_checked_against(against="dense", model=WORST):
         if algorithm == against:
             return out
         expected = original(query, key, value, rpe_bias, projection, key_padding_mask, against, causal, **options)
-        terms = options.get("terms")
-        if terms is not None and terms.pair_terms:
-            raise NotImplementedError("attention_checked_against: bounds for pair terms need their factor")
-        logit_scale = getattr(terms, "logit_scale", None)
         mask = None if key_padding_mask is None else key_padding_mask.bool()
         dtype = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
         rounding = attention_rounding(query, key, value, rpe_bias, projection, expected, mask, causal, algorithm,
-                                      logit_scale, options.get("variant", "nprf"), other=against, dtype=dtype,
-                                      model=model)
-        rounding.assert_values(out, expected, f"{algorithm} against {against} inside the model")
+                                      variant=options.get("variant", "nprf"), other=against, dtype=dtype,
+                                      model=model, **_term_keywords(options.get("terms")))
+        # (rows the model discards, as a packed batch's padding, may be NaN in both)
+        rounding.assert_values(out, expected, f"{algorithm} against {against} inside the model", equal_nan=True)
         return expected
 
     modeling_nprf.nprf_attention = cache_nprf.nprf_attention = checked
@@ -396,7 +410,9 @@ def model_rounding(model, n, batch, gradient=False, dtype=torch.float64, roundin
     K_layer = hidden + intermediate + 10; two runs. Every layer carries an error on at most MODEL_GAIN times: a
     residual block with LayerNorm and weights ~N(0, 0.02) has an O(1) Jacobian, the next attention reaches its
     normalized q, k through 1 / |q| ~ 10. That gain is an estimate, not a bound: the one factor of these
-    tolerances that is not derived (the errors seen sit >= 1e4x below them)."""
+    tolerances that is not derived (the errors seen sit >= 1e4x below them). A model with fft attention: run it
+    under `attention_checked_against`, which bounds each fft attention by its own conditioning and goes on
+    with the dense one."""
     u = unit_roundoff(dtype)
     layers = [module for module in model.modules() if hasattr(module, "projection") and hasattr(module, "bucket_table")]
     config = model.config
@@ -411,9 +427,13 @@ def model_rounding(model, n, batch, gradient=False, dtype=torch.float64, roundin
         table = layer.bucket_table(None if layer.rpe_table is not None else next(
             module.rpe_table for module in model.modules()
             if getattr(module, "rpe_table", None) is not None and not hasattr(module, "bucket_table")))
-        direct = direct_rounding(n, m, exponent, 2 * (d + 3), finite_range(table), rounding_model)
+        span = finite_range(table) + sum(  # the pair terms' exponents: exp(beta), exp(gamma)
+            getattr(layer, name).detach().abs().max().item() for name in ("cross_segment_bias", "first_key_bias")
+            if getattr(layer, name, None) is not None)
+        direct = direct_rounding(n, m, exponent, 2 * (d + 3), span, rounding_model)
         if gradient:
             direct = 2 * direct + roundings(batch * n * m, rounding_model)
-        own = roundings(config.hidden_size + config.intermediate_size + 10, rounding_model)
+        intermediate = getattr(config, "intermediate_size", None) or getattr(config, "hidden_dim", 0)  # DistilBERT's
+        own = roundings(config.hidden_size + intermediate + 10, rounding_model)
         total += 2 * u * (direct + own)
     return total * MODEL_GAIN ** len(layers)
