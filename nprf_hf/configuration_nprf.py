@@ -10,7 +10,8 @@ Why each default:
 - `attention_variant`: "nprf", the paper's attention. The other values are the arms of its ablations in the
   same classes ("prf": Performer's unnormalized features, "elu_linear", and the exact kernels
   "normalized_softmax" and "softmax", quadratic), so a from-scratch study or the switch of a trained model
-  (`set_attention_variant`) is one setting.
+  (`set_attention_variant`) is one setting. "nprf_near" (beyond the paper) keeps NPRF for far pairs and computes
+  the exact kernel within `near_field_width` (linear cost).
 - `relative_position_bias`: on, as in the paper (RPE is what keeps NPRF attention sharp); off = b = 0 and no
   table, the "without RPE" arm.
 - `num_random_features`: m, the number of random features per head. 64 equals the head size of
@@ -32,6 +33,10 @@ Why each default:
   thousands of far keys; their summed weight swamps the near ones in a whole long document. -30 zeroes them
   (attention local to the band, still one exact linear-time pass, and texts shorter than the band unchanged).
   Not saved with the weights: `from_pretrained(path, rpe_far_bias=-30)` sets it on any NPRF model.
+- `near_field_width`: with attention_variant "nprf_near", the pairs with |j - i| below it weigh the exact kernel
+  exp(s q.k) instead of its random-feature estimate; 0 (the default) means the RPE band (`rpe_band_width`, 91 for
+  T5's defaults): the distances the bias tells apart, where softmax sources put most of their attention. Not saved
+  with the weights: a wider or narrower field is one setting, though a transferred model fits its own.
 - `attention_algorithm`: "dense", "fft" or "banded" (exact and equal up to rounding, they
   differ in speed only); "auto" picks the fastest for the input length.
 - `attention_recompute`: "auto" recomputes the banded / fft attention's features in backward (and for fft the
