@@ -427,7 +427,13 @@ def test_kernel_host_ops_counts_the_operators_around_stubbed_kernels():
 # ---- --busy-cores (issue 45): every timing benchmark times its points quiet, then busy, in the same run ----------
 
 
-BUSY_CORE = str(min(os.sched_getaffinity(0)))
+# --busy-cores pins its spinners with os.sched_getaffinity and these tests find them in /proc: Linux only (elsewhere
+# the option is refused, test_busy_cores_outside_linux_is_a_clear_error). The core used is one this process may run
+# on, and the missing one is past every core it may use, whatever the machine has.
+LINUX_CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") and os.path.isdir("/proc") else []
+BUSY_CORE = str(LINUX_CORES[0]) if LINUX_CORES else "0"
+MISSING_CORE = str(max(LINUX_CORES, default=0) + 4096)
+linux_cores = pytest.mark.skipif(not LINUX_CORES, reason="--busy-cores needs os.sched_getaffinity and /proc (Linux)")
 
 
 def processes():
@@ -464,6 +470,7 @@ def assert_busy_comparison(comparison, quiet, baseline):
         name: slowdown[name] / slowdown[baseline] for name in quiet if name != baseline}
 
 
+@linux_cores
 def test_busy_load_spinner_dies_with_the_process_that_started_it():
     """A spinner outlives no parent: a benchmark's worker killed at its time cap (or by the OOM killer) never
     reaches the `finally` that stops its load, so the kernel kills the spinner with it (PR_SET_PDEATHSIG)."""
@@ -489,6 +496,7 @@ def test_busy_load_spinner_dies_with_the_process_that_started_it():
             os.kill(int(pid), 9)
 
 
+@linux_cores
 def test_attention_benchmark_times_quiet_and_busy_side_by_side(tmp_path, capsys):
     """--busy-cores: every point timed again under one spinning process per named core, busy / quiet per method and
     NPRF's slowdown against SDPA's in the summary; the load is gone afterwards; a core the machine lacks is refused."""
@@ -507,10 +515,11 @@ def test_attention_benchmark_times_quiet_and_busy_side_by_side(tmp_path, capsys)
     assert ratios["busy_slowdown_auto_over_sdpa_fwd_64"] == fwd["auto"] / fwd["sdpa"]
     assert not spinning(processes() - before, parent=os.getpid()), "a spinning process outlived the benchmark"
     with pytest.raises(SystemExit):
-        attention.main(["--lengths", "64", "--busy-cores", "4096", "--skip-memory", "--output", out])
-    assert "--busy-cores [4096]" in capsys.readouterr().err
+        attention.main(["--lengths", "64", "--busy-cores", MISSING_CORE, "--skip-memory", "--output", out])
+    assert f"--busy-cores [{MISSING_CORE}]" in capsys.readouterr().err
 
 
+@linux_cores
 def test_sentence_embedding_benchmark_times_quiet_and_busy_side_by_side(tiny, tmp_path, capsys):
     """sentence_embedding.py --busy-cores on a tiny sentence-transformers BERT: each model's documents timed again
     under the load, NPRF's busy / quiet over softmax's; no spinner left; a missing core refused."""
@@ -531,10 +540,11 @@ def test_sentence_embedding_benchmark_times_quiet_and_busy_side_by_side(tiny, tm
     assert saved["busy_cores"] == [int(BUSY_CORE)] and result["busy"] == saved["busy"]
     assert "nprf's slowdown / softmax's" in capsys.readouterr().out
     with pytest.raises(SystemExit):
-        sentence_embedding.main(["--model", softmax_dir, "--busy-cores", "4096"])
-    assert "--busy-cores [4096]" in capsys.readouterr().err
+        sentence_embedding.main(["--model", softmax_dir, "--busy-cores", MISSING_CORE])
+    assert f"--busy-cores [{MISSING_CORE}]" in capsys.readouterr().err
 
 
+@linux_cores
 def test_short_length_benchmark_times_quiet_and_busy_side_by_side(tmp_path, capsys):
     """short_length.py --busy-cores: the forward and the training step of both models timed again under the load
     in the same alternating runs, per row; no spinner left; a missing core refused."""
@@ -550,10 +560,11 @@ def test_short_length_benchmark_times_quiet_and_busy_side_by_side(tmp_path, caps
     assert json.loads((tmp_path / "s.json").read_text())["rows"] == result["rows"]
     assert "nprf's slowdown / sdpa's" in capsys.readouterr().out
     with pytest.raises(SystemExit):
-        short_length.main(["--busy-cores", "4096"])
-    assert "--busy-cores [4096]" in capsys.readouterr().err
+        short_length.main(["--busy-cores", MISSING_CORE])
+    assert f"--busy-cores [{MISSING_CORE}]" in capsys.readouterr().err
 
 
+@linux_cores
 def test_long_documents_benchmark_times_quiet_and_busy_side_by_side(tiny, tmp_path, capsys):
     """long_documents.py --busy-cores: at each length, the first task's documents embedded and timed again under the
     load by every method (the scores are not repeated), each NPRF model's busy / quiet over chunk-and-pool's."""
@@ -579,10 +590,11 @@ def test_long_documents_benchmark_times_quiet_and_busy_side_by_side(tiny, tmp_pa
     assert "| 250 | tiny |" in printed and "slowdown / chunk-and-pool's" in printed
     with pytest.raises(SystemExit):
         long_documents.main(["--model", softmax_dir, "--data", str(data), "--faithfulness-file", "",
-                             "--busy-cores", "4096"])
-    assert "--busy-cores [4096]" in capsys.readouterr().err
+                             "--busy-cores", MISSING_CORE])
+    assert f"--busy-cores [{MISSING_CORE}]" in capsys.readouterr().err
 
 
+@linux_cores
 def test_generation_benchmark_times_quiet_and_busy_side_by_side(tmp_path, capsys):
     """generation.py --busy-cores: each point's prompt prefilled and decoded again under the load in its worker
     process (the same tokens: the same final length), per-token busy / quiet and NPRF's over softmax's; the worker's
@@ -604,8 +616,8 @@ def test_generation_benchmark_times_quiet_and_busy_side_by_side(tmp_path, capsys
         by["nprf"]["busy_over_quiet"] / by["softmax"]["busy_over_quiet"])
     assert "nprf's slowdown / softmax's" in capsys.readouterr().out
     with pytest.raises(SystemExit):
-        generation.parse_args(["--busy-cores", "4096"])
-    assert "--busy-cores [4096]" in capsys.readouterr().err
+        generation.parse_args(["--busy-cores", MISSING_CORE])
+    assert f"--busy-cores [{MISSING_CORE}]" in capsys.readouterr().err
 
 
 def test_busy_cores_outside_linux_is_a_clear_error(monkeypatch):
