@@ -18,6 +18,8 @@ Recipes (`RECIPES`):
 - nprf+scale8+m256+transfer: 256 random features (a less noisy estimate of the scaled kernel).
 - nprf+scale8+segment+transfer: plus a learned bias for query/key pairs in different sentences.
 - nprf+scale8+segment+match+transfer: plus a learned weight for the same word in the other sentence.
+- default+transfer: what `--convert_to_nprf --attention_transfer_steps N` does with no `--nprf_config`
+  (`options.TRANSFER_RECIPE`, the same as near+scale30+transfer).
 - near+scale8+transfer, near+scale30+transfer: the exact near field (`attention_variant="nprf_near"`: the RPE
   band's pairs weigh the exact kernel, farther ones NPRF) with a logit scale up to 8 or 30, transferred, fine-tuned.
 - hedgehog: protocol (b), as in Hedgehog: the *fine-tuned softmax* model of the same task and seed
@@ -71,25 +73,27 @@ CALIBRATED = {"rpe_init": "calibrated", "calibration_text": os.path.join(DATA, "
 RECIPES = {
     "softmax": {"nprf": None},
     "nprf": {"nprf": {}},
-    "nprf+transfer": {"nprf": {}, "transfer": "task"},
-    "nprf+scale8+transfer": {"nprf": {"logit_scale_max": 8.0}, "transfer": "task"},
-    "nprf+scale8": {"nprf": {"logit_scale_max": 8.0}},
-    "nprf+scale8+calibrated+transfer": {"nprf": {"logit_scale_max": 8.0, **CALIBRATED}, "transfer": "task"},
-    "nprf+scale8+wikitext-transfer": {"nprf": {"logit_scale_max": 8.0}, "transfer": "wikitext"},
-    "nprf+scale8+m256+transfer": {"nprf": {"logit_scale_max": 8.0, "num_random_features": 256}, "transfer": "task"},
-    "nprf+scale8+segment+transfer": {"nprf": {"logit_scale_max": 8.0, "segment_bias": True}, "transfer": "task"},
+    "nprf+transfer": {"nprf": {"attention_variant": "nprf"}, "transfer": "task"},
+    "nprf+scale8+transfer": {"nprf": {"attention_variant": "nprf", "logit_scale_max": 8.0}, "transfer": "task"},
+    "nprf+scale8": {"nprf": {"attention_variant": "nprf", "logit_scale_max": 8.0}},
+    "nprf+scale8+calibrated+transfer": {"nprf": {"attention_variant": "nprf", "logit_scale_max": 8.0, **CALIBRATED}, "transfer": "task"},
+    "nprf+scale8+wikitext-transfer": {"nprf": {"attention_variant": "nprf", "logit_scale_max": 8.0}, "transfer": "wikitext"},
+    "nprf+scale8+m256+transfer": {"nprf": {"attention_variant": "nprf", "logit_scale_max": 8.0, "num_random_features": 256}, "transfer": "task"},
+    "nprf+scale8+segment+transfer": {"nprf": {"attention_variant": "nprf", "logit_scale_max": 8.0, "segment_bias": True}, "transfer": "task"},
     "nprf+scale8+segment+match+transfer": {
-        "nprf": {"logit_scale_max": 8.0, "segment_bias": True, "token_match": True},
+        "nprf": {"attention_variant": "nprf", "logit_scale_max": 8.0, "segment_bias": True, "token_match": True},
         "transfer": "task",
     },
+    # what --attention_transfer_steps does with no --nprf_config (options.TRANSFER_RECIPE: near+scale30+transfer)
+    "default+transfer": {"nprf": {}, "transfer": "task"},
     # the exact near field (issue 54): the band's pairs exact, NPRF beyond, a sharper scale the exact kernel follows
     "near+scale8+transfer": {"nprf": {"attention_variant": "nprf_near", "logit_scale_max": 8.0}, "transfer": "task"},
     "near+scale30+transfer": {"nprf": {"attention_variant": "nprf_near", "logit_scale_max": 30.0}, "transfer": "task"},
-    "hedgehog": {"nprf": {"logit_scale_max": 8.0}, "transfer": "task", "source": "softmax", "epochs": 1},
+    "hedgehog": {"nprf": {"attention_variant": "nprf", "logit_scale_max": 8.0}, "transfer": "task", "source": "softmax", "epochs": 1},
     # issue 22's Figure-2 route: fine-tuned with the exact kernel NPRF estimates, then switched to NPRF
     "normalized-then-nprf": {"nprf": {"attention_variant": "normalized_softmax"}, "final": "nprf"},
     "scale8+normalized-then-nprf": {"nprf": {"logit_scale_max": 8.0, "attention_variant": "normalized_softmax"},
-                                "final": "nprf"},
+                                    "final": "nprf"},
 }
 
 

@@ -132,6 +132,10 @@ def convert_and_transfer(
     overrides = json.loads(args.nprf_config) if args.nprf_config else {}
     if not isinstance(overrides, dict):
         raise UsageError(f"--nprf_config must be a JSON object, got {args.nprf_config!r}")
+    if args.attention_transfer_steps > 0:  # the recipe a transfer is measured best with (options.TRANSFER_RECIPE)
+        from nprf_hf.convert import with_transfer_recipe
+
+        overrides = with_transfer_recipe(overrides)
     student = nprf_hf.convert_to_nprf(model, tokenizer=tokenizer, **overrides)
     logger.info("Converted to %s", type(student).__name__)
     if args.attention_transfer_steps <= 0:

@@ -34,7 +34,7 @@ from .hub import check_load_source
 # not through functional.py, whose kernels import torch._dynamo (a second): a source that is nowhere is named
 # about a second after `nprf_hf.convert_checkpoint(...)` is called in a fresh process
 from .nprf_positions import t5_relative_position_bucket
-from .options import RPE_INITS
+from .options import RPE_INITS, TRANSFER_RECIPE
 
 
 logger = logging.getLogger(__name__)
@@ -357,6 +357,14 @@ def calibrate_rpe(
 # ----------------------------------------------------------------------------------------------
 
 
+def with_transfer_recipe(config_overrides):
+    """The config fields of a conversion followed by attention transfer: `options.TRANSFER_RECIPE` unless the caller
+    chose an attention_variant (then theirs alone), under the caller's own fields."""
+    if "attention_variant" in config_overrides:
+        return dict(config_overrides)
+    return {**TRANSFER_RECIPE, **config_overrides}
+
+
 def _convert(
     model_or_path,
     tokenizer=None,
@@ -411,6 +419,8 @@ def _convert(
             "attention transfer and the long-context recipe have no attention to copy: convert without them and "
             "train the decoder as a language model"
         )
+    if transfer_texts is not None:
+        config_overrides = with_transfer_recipe(config_overrides)
     config = build_nprf_config(source_config, **config_overrides)
     from .modeling_nprf import NPRF_MODEL_CLASSES
 

@@ -48,6 +48,11 @@ TRANSFER_DEFAULTS = {
     "seed": 0,
 }
 
+# The config a conversion with attention transfer gets where its caller sets no attention_variant (issue 54,
+# docs/RESULTS.md "Exact near field"): the RPE band's pairs exact, NPRF beyond, and a logit scale up to 30, which the
+# exact kernel follows and the random-feature estimate could not. attention_variant="nprf" gives the paper's NPRF.
+TRANSFER_RECIPE = {"attention_variant": "nprf_near", "logit_scale_max": 30.0}
+
 # attention_transfer keyword -> (type, help): the one declaration of its options, `--attention-transfer-*` in the
 # CLI and `--attention_transfer_*` in the GLUE scripts (which set max_length and seed from their own arguments)
 TRANSFER_OPTIONS = {

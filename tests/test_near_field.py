@@ -170,3 +170,52 @@ def test_decoder_generates_with_a_key_value_cache():
 
     with pytest.raises(ValueError, match="cache_implementation='dynamic'"):
         model(prompt, past_key_values=NPRFCache(config), use_cache=True)
+
+
+TEXTS = [f"sentence number {i} says something about the {word}" for i, word in
+         enumerate(("cat", "dog", "river", "city") * 4)]
+
+
+@pytest.fixture
+def bert_source(minilm_tokenizer):
+    from transformers import BertConfig, BertModel
+
+    from conftest import tiny_config as source_config
+
+    torch.manual_seed(0)
+    return BertModel(BertConfig(**source_config(vocab_size=minilm_tokenizer.vocab_size, num_attention_heads=4))).eval()
+
+
+def test_a_conversion_with_transfer_defaults_to_the_measured_recipe(bert_source, minilm_tokenizer):
+    """`options.TRANSFER_RECIPE` where the caller sets no variant; the paper's NPRF by one field; a plain conversion
+    (and so every folder converted before) unchanged."""
+    from nprf_hf.options import TRANSFER_RECIPE
+
+    options = {"steps": 2, "batch_size": 4, "max_length": 16}
+    transferred = nprf_hf.convert_to_nprf(bert_source, tokenizer=minilm_tokenizer, transfer_texts=TEXTS,
+                                          transfer_options=options, num_random_features=8)
+    assert {k: getattr(transferred.config, k) for k in TRANSFER_RECIPE} == TRANSFER_RECIPE == {
+        "attention_variant": "nprf_near", "logit_scale_max": 30.0}
+    paper = nprf_hf.convert_to_nprf(bert_source, tokenizer=minilm_tokenizer, transfer_texts=TEXTS,
+                                    transfer_options=options, attention_variant="nprf", num_random_features=8)
+    assert (paper.config.attention_variant, paper.config.logit_scale_max) == ("nprf", 0.0)
+    plain = nprf_hf.convert_to_nprf(bert_source, num_random_features=8)
+    assert (plain.config.attention_variant, plain.config.logit_scale_max) == ("nprf", 0.0)
+
+
+def test_a_folder_saved_before_the_near_field_loads_as_before(tmp_path):
+    """A folder converted before `near_field_width` existed (its config.json without it) loads as the NPRF it was,
+    bit for bit."""
+    import json
+
+    torch.manual_seed(0)
+    model = nprf_hf.NPRFBertModel(tiny_config(nprf_hf.NPRFBertConfig)).eval()
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved.pop("attention_variant") == "nprf" and saved.pop("near_field_width") == 0
+    (tmp_path / "config.json").write_text(json.dumps(saved))  # as a folder of before: the new field absent
+    again = nprf_hf.NPRFBertModel.from_pretrained(tmp_path).eval()
+    assert (again.config.attention_variant, again.config.near_field_width) == ("nprf", 0)
+    ids = torch.randint(5, 50, (2, 30))
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).last_hidden_state, model(ids).last_hidden_state, rtol=0, atol=0)
