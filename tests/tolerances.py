@@ -362,25 +362,31 @@ def _term_keywords(terms):
 
 
 @contextlib.contextmanager
-def attention_checked_against(against="dense", model=WORST):
+def attention_checked_against(against="dense", model=WORST, replace=True):
     """Inside the models (`nprf_attention` as `modeling_nprf` and the decoders' cache `cache_nprf` call it):
     every attention computed with another algorithm is checked, per element, against the same call with `against`
     (`attention_rounding`'s bounds for these very inputs, whose conditioning a model's hidden states set), and
     the model goes on with `against`'s output. A model configured with another algorithm then returns the
     `against`-configured model's output to the bit (the same numbers through the same layers), so the comparison
     of the two needs no tolerance, and the layers after an attention cannot amplify its rounding past a bound
-    that was derived for its output alone."""
+    that was derived for its output alone.
+
+    replace=False: the model goes on with its own algorithm's output (its backward then runs too); the context
+    yields a list that collects, per checked call, (the values' bound relative to max |v| + max |z|, the
+    gradients' relative bound), for a bound on the model's outputs and gradients (`model_rounding`'s gain)."""
     from nprf_hf import cache_nprf, modeling_nprf
 
     original = modeling_nprf.nprf_attention
     assert cache_nprf.nprf_attention is original
+    recorded = []
 
     def checked(query, key, value, rpe_bias, projection, key_padding_mask=None, algorithm="auto", causal=False,
                 **options):
         out = original(query, key, value, rpe_bias, projection, key_padding_mask, algorithm, causal, **options)
         if algorithm == against:
             return out
-        expected = original(query, key, value, rpe_bias, projection, key_padding_mask, against, causal, **options)
+        with torch.set_grad_enabled(replace and torch.is_grad_enabled()):  # kept: the model goes on with it
+            expected = original(query, key, value, rpe_bias, projection, key_padding_mask, against, causal, **options)
         mask = None if key_padding_mask is None else key_padding_mask.bool()
         dtype = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
         rounding = attention_rounding(query, key, value, rpe_bias, projection, expected, mask, causal, algorithm,
@@ -388,11 +394,13 @@ def attention_checked_against(against="dense", model=WORST):
                                       model=model, **_term_keywords(options.get("terms")))
         # (rows the model discards, as a packed batch's padding, may be NaN in both)
         rounding.assert_values(out, expected, f"{algorithm} against {against} inside the model", equal_nan=True)
-        return expected
+        scale = value.detach().double().abs().max() + expected.detach().double().abs().max()
+        recorded.append(((rounding.values.nan_to_num(0.0).max() / scale).item(), rounding.gradient))
+        return expected if replace else out
 
     modeling_nprf.nprf_attention = cache_nprf.nprf_attention = checked
     try:
-        yield
+        yield recorded
     finally:
         modeling_nprf.nprf_attention = cache_nprf.nprf_attention = original
 
