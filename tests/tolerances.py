@@ -55,11 +55,12 @@ def unit_roundoff(dtype):
 
 
 def roundings(count, model=WORST):
-    """The error of `count` roundings in units of u: count (WORST) or LAMBDA sqrt(count) (PROBABLE)."""
+    """The error of `count` roundings in units of u: count (WORST), or LAMBDA sqrt(count) (PROBABLE) where that is
+    smaller (below LAMBDA^2 = 100 roundings the worst case is the tighter bound, and it always holds)."""
     if model == WORST:
         return count
     if model == PROBABLE:
-        return LAMBDA * math.sqrt(count)
+        return min(count, LAMBDA * math.sqrt(count))
     raise ValueError(f"model must be {WORST!r} or {PROBABLE!r}, got {model!r}")
 
 
