@@ -20,7 +20,7 @@ from .nprf_banded_far import FarStates, far_states_compiled, far_sums, far_sums_
 from .nprf_cpu_threads import parallel_items, parallel_slots, single_threaded
 from .nprf_dense import dense_toeplitz_attention
 from .nprf_features import values_and_ones
-from .nprf_near_field import padded_keys, split_near
+from .nprf_near_field import split_near
 from .nprf_positions import diagonals
 
 
@@ -68,10 +68,11 @@ def banded_toeplitz_attention(phi_q, phi_k, value, c, band_width, causal, near=N
     if near is not None:  # the window holds every pair closer than the band: the exact kernel's too
         coefficients, near_coefficients = split_near(coefficients, _offsets(chunk, reach, window, c.device), near.width)
         padded = q_chunks.shape[0] // (batch * heads) * chunk
-        query = torch.cat([near.query, near.query.new_zeros(batch, heads, padded - n, near.query.shape[-1])], 2)
-        after = padded - n + (0 if causal else reach * chunk)
-        keys = padded_keys(near.key, reach * chunk, after).reshape(batch * heads, -1, near.key.shape[-1])
-        near_inputs = (query.reshape(-1, chunk, query.shape[-1]), keys, near_coefficients)
+        query = _zero_padded(near.query, 0, padded - n).reshape(-1, chunk, near.query.shape[-1])
+        keys = _zero_padded(near.key, reach * chunk, padded - n + (0 if causal else reach * chunk))
+        if near.key_mask is not None:  # a padded key's exact weight meets a zero [v | 1] (its features are zero)
+            u_rows.view(batch, heads, -1, e)[:, :, reach * chunk : reach * chunk + n].mul_(near.key_mask[:, None, :, None])
+        near_inputs = (query, keys.view(batch * heads, -1, near.key.shape[-1]), near_coefficients)
     out = band_window_product(q_chunks, k_rows, u_rows, coefficients, *near_inputs)
 
     # Far part: chunk k gets c_far^- times the states of chunks <= k-R-1 (and c_far^+ times those >= k+R+1).

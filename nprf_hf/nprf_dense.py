@@ -37,7 +37,10 @@ def dense_toeplitz_attention(phi_q, phi_k, u, c, near=None):
     if near is not None:
         positions = torch.arange(n, device=phi_q.device)
         inside = (positions[None, :] - positions[:, None]).abs() < near.width
-        kernel = torch.where(inside, torch.exp(near.query @ near.key.transpose(-1, -2)), kernel)
+        exact = torch.exp(near.query @ near.key.transpose(-1, -2))
+        if near.key_mask is not None:  # (a padded key's features are zero, its unit vector is not)
+            exact = exact * near.key_mask[:, None, None, :]
+        kernel = torch.where(inside, exact, kernel)
     return (kernel * toeplitz_matrix(c, n)) @ u
 
 
@@ -49,7 +52,7 @@ def dense_toeplitz_inference(phi_q, phi_k, value, c, key_lengths, normalized=Fal
     Returns [B, H, n, d_v + 1], or with `normalized` the attention output [B, H, n, d_v] (divided by
     `kept_denominator`: rows with no key, whose denominator is exactly 0 here, give zeros). `near`: an
     `nprf_near_field.NearField` (as in `dense_toeplitz_attention`)."""
-    near = () if near is None else (near.query, near.key, near.width)
+    near = () if near is None else (near.query, near.key, near.width, near.key_mask)
     return _dense_forward(phi_q, phi_k, value, c, key_lengths, normalized, *near)[0]
 
 
@@ -63,7 +66,8 @@ def _near_toeplitz(c, n, width):
     return toeplitz.masked_fill(inside, 0.0), toeplitz.masked_fill(~inside, 0.0)
 
 
-def _dense_forward(phi_q, phi_k, value, c, key_lengths, normalized, q_near=None, k_near=None, width=None):
+def _dense_forward(phi_q, phi_k, value, c, key_lengths, normalized, q_near=None, k_near=None, width=None,
+                   key_mask=None):
     """(out, divisors): `dense_toeplitz_inference`'s output and, when normalized, the divisors [B, H, n, 1] used
     (the denominators, inf for rows with no key); the near field given as its query, key and width."""
     batch, heads, n, _ = phi_q.shape
@@ -94,7 +98,10 @@ def _dense_forward(phi_q, phi_k, value, c, key_lengths, normalized, q_near=None,
             if near:
                 exact = exact_buffer[: (last - first) * n * length].view(last - first, n, length)
                 torch.matmul(q_near[b, first:last], k_near[b, first:last, :length].transpose(-1, -2), out=exact)
-                weights.addcmul_(exact.exp_(), near_toeplitz[first:last, :, :length])
+                exact.exp_()
+                if key_mask is not None:
+                    exact.mul_(key_mask[b, :length])
+                weights.addcmul_(exact, near_toeplitz[first:last, :, :length])
             if normalized:
                 divisor = divisors[b, first:last]
                 divisor.copy_(kept_denominator(weights.sum(-1, keepdim=True)))
@@ -117,7 +124,7 @@ def dense_toeplitz_training(phi_q, phi_k, value, c, key_lengths, normalized=Fals
     Returns [B, H, n, d_v + 1], or with `normalized` the attention output [B, H, n, d_v] (rows with no key zero;
     it then also keeps that output and the divisors [B, H, n, 1], whose backward it computes in cache). `near`: an
     `nprf_near_field.NearField` (as in `dense_toeplitz_attention`)."""
-    near = (None, None, None) if near is None else (near.query, near.key, near.width)
+    near = (None, None, None, None) if near is None else near
     return _DenseToeplitzProduct.apply(phi_q, phi_k, value, c, tuple(key_lengths), normalized, *near)
 
 
@@ -131,16 +138,17 @@ class _DenseToeplitzProduct(torch.autograd.Function):
     `dense_toeplitz_training`."""
 
     @staticmethod
-    def forward(ctx, phi_q, phi_k, value, c, lengths, normalized, q_near, k_near, width):
-        out, divisors = _dense_forward(phi_q, phi_k, value, c, lengths, normalized, q_near, k_near, width)
-        ctx.save_for_backward(phi_q, phi_k, value, c, q_near, k_near, *((out, divisors) if normalized else ()))
+    def forward(ctx, phi_q, phi_k, value, c, lengths, normalized, q_near, k_near, width, key_mask):
+        out, divisors = _dense_forward(phi_q, phi_k, value, c, lengths, normalized, q_near, k_near, width, key_mask)
+        ctx.save_for_backward(phi_q, phi_k, value, c, q_near, k_near, key_mask,
+                              *((out, divisors) if normalized else ()))
         ctx.lengths, ctx.normalized, ctx.width = lengths, normalized, width
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        phi_q, phi_k, value, c, q_near, k_near, *normalized = ctx.saved_tensors
+        phi_q, phi_k, value, c, q_near, k_near, key_mask, *normalized = ctx.saved_tensors
         batch, heads, n, _ = phi_q.shape
         d = value.shape[-1]
         need_q, need_k, need_v, need_c = ctx.needs_input_grad[:4]
@@ -190,6 +198,8 @@ class _DenseToeplitzProduct(torch.autograd.Function):
                     exact = exact_buffer[: (last - first) * n * length].view(last - first, n, length)
                     k_near_ = k_near[b, heads_, :length]
                     torch.matmul(q_near[b, heads_], k_near_.transpose(-1, -2), out=exact).exp_()
+                    if key_mask is not None:
+                        exact.mul_(key_mask[b, :length])
                 if need_v:  # dL/dv_j = sum_i w_ij dL/dnumerator_i
                     torch.mul(product, scale, out=grad_weights)
                     if near:
@@ -223,7 +233,7 @@ class _DenseToeplitzProduct(torch.autograd.Function):
             for buffer in buffers[1:]:
                 grad_toeplitz.add_(buffer[2])
             grad_c = torch.zeros_like(c).scatter_add_(1, index, grad_toeplitz.reshape(heads, -1))
-        return grad_q, grad_k, grad_v, grad_c, None, None, grad_q_near, grad_k_near, None
+        return grad_q, grad_k, grad_v, grad_c, None, None, grad_q_near, grad_k_near, None, None
 
 
 def key_lengths(mask, batch, n):

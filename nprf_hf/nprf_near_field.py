@@ -12,42 +12,27 @@ sum_{|j-i|<W} P_ij (exp(s q_hat_i . k_hat_j) - phi_i . phi_j) [v_j | 1], O(n W (
 queries at a time against the window of keys their band reaches. Pure functions, no state.
 """
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
 from .nprf_features import NORM_EPS, row_norms
 
 
-# An exponent far below any near-field logit (|s q_hat . k_hat| <= s): its exp is 0 in every float dtype, and unlike
-# -inf it stays finite times a zero query row (no NaN).
-MASKED_LOGIT = -1e4
-
-
 class NearField(NamedTuple):
-    """The exact near field as a Toeplitz product reads it: exp(query_i . key_j) is the exact kernel for |j - i| <
-    width, zero for padded keys. query [B, H, n, d + 1]: sqrt(s) q / |q| and a column of ones; key [B, H, n, d + 1]:
-    sqrt(s) k / |k| and a column of 0 (kept) or MASKED_LOGIT (padded)."""
+    """The exact near field as a Toeplitz product reads it: exp(query_i . key_j) is the exact kernel of the pairs
+    with |j - i| < width. query, key [B, H, n, d]: sqrt(s) x / |x|; key_mask [B, n] float (1 = keep) or None: a
+    padded key's exact weight must be zeroed by the product (its features are zero, its unit vector is not)."""
 
     query: torch.Tensor
     key: torch.Tensor
     width: int
+    key_mask: Optional[torch.Tensor] = None
 
 
 def near_field_inputs(query, key, mask, logit_scale, width, dtype):
     """The `NearField` of query, key [B, H, n, d] (in `dtype`), mask [B, n] float (1 = keep) or None."""
-    q, k = scaled_unit(query.to(dtype), logit_scale), scaled_unit(key.to(dtype), logit_scale)
-    ones = q.new_ones(*q.shape[:-1], 1)
-    kept = ones if mask is None else mask[:, None, :, None].to(dtype).expand_as(ones)
-    return NearField(torch.cat([q, ones], -1), torch.cat([k, (1.0 - kept) * MASKED_LOGIT], -1), width)
-
-
-def padded_keys(key, before, after):
-    """key [B, H, n, f] of a `NearField` with `before` / `after` rows of a padded key (zeros, MASKED_LOGIT last)."""
-    batch, heads, n, features = key.shape
-    row = key.new_zeros(features)
-    row[-1] = MASKED_LOGIT
-    return torch.cat([row.expand(batch, heads, before, features), key, row.expand(batch, heads, after, features)], 2)
+    return NearField(scaled_unit(query.to(dtype), logit_scale), scaled_unit(key.to(dtype), logit_scale), width, mask)
 
 
 def split_near(coefficients, distance, width):
