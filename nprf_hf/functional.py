@@ -206,8 +206,11 @@ def _nprf_attention(call, route):
         near_field = near_field_inputs(query, key, mask, logit_scale, near_width, dtype)
         band_width = max(band_width or near_width, near_width)  # the banded window must hold the near pairs
     lengths = key_lengths(mask, batch, n) if product.in_cache else None  # (a host sync)
-    phi_q, phi_k = query_key_features(query, key, call.projection, mask, dtype, logit_scale, product.head_major,
-                                      call.variant)
+    if near_field is not None and product.in_cache and near_width >= n:  # every pair near: no features to compute
+        phi_q = phi_k = None
+    else:
+        phi_q, phi_k = query_key_features(query, key, call.projection, mask, dtype, logit_scale, product.head_major,
+                                          call.variant)
     if product.in_cache and not terms.pair_terms and (near_field is not None or not near):  # it divides in cache too
         return product.run(ToeplitzCall(phi_q, phi_k, value, c, lengths=lengths, normalized=True, near=near_field)
                            ).to(query.dtype)

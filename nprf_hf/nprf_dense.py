@@ -52,8 +52,18 @@ def dense_toeplitz_inference(phi_q, phi_k, value, c, key_lengths, normalized=Fal
     Returns [B, H, n, d_v + 1], or with `normalized` the attention output [B, H, n, d_v] (divided by
     `kept_denominator`: rows with no key, whose denominator is exactly 0 here, give zeros). `near`: an
     `nprf_near_field.NearField` (as in `dense_toeplitz_attention`)."""
-    near = () if near is None else (near.query, near.key, near.width, near.key_mask)
-    return _dense_forward(phi_q, phi_k, value, c, key_lengths, normalized, *near)[0]
+    return _dense_forward(*_kernel_inputs(phi_q, phi_k, near), value, c, key_lengths, normalized)[0]
+
+
+def _kernel_inputs(phi_q, phi_k, near):
+    """(phi_q, phi_k, q_near, k_near, width, key_mask, exponential) of the products: where the near field covers
+    every pair (width >= n), its exact kernel alone, exp(q_near . k_near), in place of the features (which may then
+    be None): what GLUE-length inputs with the RPE band (91) get."""
+    if near is None:
+        return phi_q, phi_k, None, None, None, None, False
+    if near.width >= near.query.shape[-2]:
+        return near.query, near.key, None, None, None, near.key_mask, True
+    return phi_q, phi_k, near.query, near.key, near.width, near.key_mask, False
 
 
 def _near_toeplitz(c, n, width):
@@ -66,10 +76,9 @@ def _near_toeplitz(c, n, width):
     return toeplitz.masked_fill(inside, 0.0), toeplitz.masked_fill(~inside, 0.0)
 
 
-def _dense_forward(phi_q, phi_k, value, c, key_lengths, normalized, q_near=None, k_near=None, width=None,
-                   key_mask=None):
+def _dense_forward(phi_q, phi_k, q_near, k_near, width, key_mask, exponential, value, c, key_lengths, normalized):
     """(out, divisors): `dense_toeplitz_inference`'s output and, when normalized, the divisors [B, H, n, 1] used
-    (the denominators, inf for rows with no key); the near field given as its query, key and width."""
+    (the denominators, inf for rows with no key); the near field given as `_kernel_inputs`."""
     batch, heads, n, _ = phi_q.shape
     d = value.shape[-1]
     toeplitz, near_toeplitz = _near_toeplitz(c, n, width)
@@ -94,6 +103,10 @@ def _dense_forward(phi_q, phi_k, value, c, key_lengths, normalized, q_near=None,
             last = min(first + group, heads)
             weights = weights_buffer[: (last - first) * n * length].view(last - first, n, length)
             torch.matmul(phi_q[b, first:last], phi_k[b, first:last, :length].transpose(-1, -2), out=weights)
+            if exponential:  # the exact kernel: zero for padded keys
+                weights.exp_()
+                if key_mask is not None:
+                    weights.mul_(key_mask[b, :length])
             weights.mul_(toeplitz[first:last, :, :length])
             if near:
                 exact = exact_buffer[: (last - first) * n * length].view(last - first, n, length)
@@ -124,8 +137,7 @@ def dense_toeplitz_training(phi_q, phi_k, value, c, key_lengths, normalized=Fals
     Returns [B, H, n, d_v + 1], or with `normalized` the attention output [B, H, n, d_v] (rows with no key zero;
     it then also keeps that output and the divisors [B, H, n, 1], whose backward it computes in cache). `near`: an
     `nprf_near_field.NearField` (as in `dense_toeplitz_attention`)."""
-    near = (None, None, None, None) if near is None else near
-    return _DenseToeplitzProduct.apply(phi_q, phi_k, value, c, tuple(key_lengths), normalized, *near)
+    return _DenseToeplitzProduct.apply(*_kernel_inputs(phi_q, phi_k, near), value, c, tuple(key_lengths), normalized)
 
 
 def _head_group(heads, n, element_size, buffers):
@@ -138,11 +150,12 @@ class _DenseToeplitzProduct(torch.autograd.Function):
     `dense_toeplitz_training`."""
 
     @staticmethod
-    def forward(ctx, phi_q, phi_k, value, c, lengths, normalized, q_near, k_near, width, key_mask):
-        out, divisors = _dense_forward(phi_q, phi_k, value, c, lengths, normalized, q_near, k_near, width, key_mask)
+    def forward(ctx, phi_q, phi_k, q_near, k_near, width, key_mask, exponential, value, c, lengths, normalized):
+        out, divisors = _dense_forward(phi_q, phi_k, q_near, k_near, width, key_mask, exponential, value, c, lengths,
+                                       normalized)
         ctx.save_for_backward(phi_q, phi_k, value, c, q_near, k_near, key_mask,
                               *((out, divisors) if normalized else ()))
-        ctx.lengths, ctx.normalized, ctx.width = lengths, normalized, width
+        ctx.lengths, ctx.normalized, ctx.width, ctx.exponential = lengths, normalized, width, exponential
         return out
 
     @staticmethod
@@ -151,10 +164,10 @@ class _DenseToeplitzProduct(torch.autograd.Function):
         phi_q, phi_k, value, c, q_near, k_near, key_mask, *normalized = ctx.saved_tensors
         batch, heads, n, _ = phi_q.shape
         d = value.shape[-1]
-        need_q, need_k, need_v, need_c = ctx.needs_input_grad[:4]
+        need_q, need_k, need_q_near, need_k_near = ctx.needs_input_grad[:4]
+        need_v, need_c = ctx.needs_input_grad[7:9]
         toeplitz, near_toeplitz = _near_toeplitz(c, n, ctx.width)
         near = near_toeplitz is not None
-        need_q_near, need_k_near = (ctx.needs_input_grad[6:8]) if near else (False, False)
         inside = near_toeplitz.new_ones(n, n, dtype=torch.bool).triu(1 - ctx.width).tril(ctx.width - 1) if near else None
         grad_q_near = torch.zeros_like(q_near) if need_q_near else None
         grad_k_near = torch.zeros_like(k_near) if need_k_near else None
@@ -193,6 +206,10 @@ class _DenseToeplitzProduct(torch.autograd.Function):
                 product = products[: (last - first) * n * length].view(last - first, n, length)
                 grad_weights = weights_buffer[: (last - first) * n * length].view(last - first, n, length)
                 torch.matmul(q, k.transpose(-1, -2), out=product)
+                if ctx.exponential:  # the exact kernel exp(q . k) (zero for padded keys)
+                    product.exp_()
+                    if key_mask is not None:
+                        product.mul_(key_mask[b, :length])
                 if near:  # w = (phi_q . phi_k) C_far + exp(q_near . k_near) C_near
                     near_scale = near_toeplitz[heads_, :, :length]
                     exact = exact_buffer[: (last - first) * n * length].view(last - first, n, length)
@@ -219,6 +236,8 @@ class _DenseToeplitzProduct(torch.autograd.Function):
                     if need_k_near:
                         torch.matmul(grad_logits.transpose(-1, -2), q_near[b, heads_], out=grad_k_near[b, heads_, :length])
                 grad_weights.mul_(scale)  # dL/d(phi_q_i . phi_k_j)
+                if ctx.exponential:  # dL/d(q_i . k_j) = dL/dkernel_ij kernel_ij
+                    grad_weights.mul_(product)
                 if need_q:
                     torch.matmul(grad_weights, k, out=grad_q[b, heads_])
                 if need_k:
@@ -233,7 +252,7 @@ class _DenseToeplitzProduct(torch.autograd.Function):
             for buffer in buffers[1:]:
                 grad_toeplitz.add_(buffer[2])
             grad_c = torch.zeros_like(c).scatter_add_(1, index, grad_toeplitz.reshape(heads, -1))
-        return grad_q, grad_k, grad_v, grad_c, None, None, grad_q_near, grad_k_near, None, None
+        return grad_q, grad_k, grad_q_near, grad_k_near, None, None, None, grad_v, grad_c, None, None
 
 
 def key_lengths(mask, batch, n):

@@ -39,7 +39,7 @@ def random_case(batch=2, heads=3, n=70, d=8, m=6, seed=0):
 
 @pytest.mark.parametrize("algorithm", ["auto", "dense", "fft", "banded"])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("width", [1, 6, 23, 40])
+@pytest.mark.parametrize("width", [1, 6, 23, 40, 80])
 @pytest.mark.parametrize("pair_terms", [False, True])
 def test_near_field_matches_reference_with_gradients(algorithm, causal, width, pair_terms, small_chunks):
     if pair_terms and causal:
