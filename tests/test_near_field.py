@@ -98,11 +98,16 @@ def test_a_width_covering_every_pair_is_the_exact_kernel(algorithm, small_chunks
     torch.testing.assert_close(out, exact, **TOLERANCE)
 
 
-def test_near_field_in_float32_on_long_inputs():
-    """A call the CPU split cuts into items (>= 512 tokens, enough heads) and the real banded chunking, in float32,
-    against the float64 reference: rounding of float32 sums of ~1,000 positive terms (eps 1.2e-7)."""
+def test_near_field_in_float32_on_long_inputs(two_threads, monkeypatch):
+    """A call the CPU split cuts into items (>= 512 tokens, B H n (m + d) >= 2^20) and the real banded chunking, in
+    float32, against the float64 reference: rounding of float32 sums of ~1,000 positive terms (eps 1.2e-7)."""
+    from nprf_hf import nprf_cpu_split
+
+    splits = []
+    split_items = nprf_cpu_split.split_items
+    monkeypatch.setattr(nprf_cpu_split, "split_items", lambda *a: splits.append(split_items(*a)) or splits[-1])
     generator = torch.Generator().manual_seed(3)
-    batch, heads, n, d, m = 1, 12, 600, 32, 64
+    batch, heads, n, d, m = 1, 12, 1000, 32, 64
     q, k, v = (torch.randn(batch, heads, n, d, generator=generator) for _ in range(3))
     projection = Fn.draw_projection(m, d, "orf", num_heads=heads, generator=generator)
     bias = Fn.relative_position_bias(torch.randn(heads, 32, generator=generator) * 0.3, n, True, 32, 128)
@@ -111,6 +116,7 @@ def test_near_field_in_float32_on_long_inputs():
     out = Fn.nprf_attention(q, k, v, bias, projection, mask, algorithm="banded", band_width=91, variant="nprf_near")
     expected = naive_attention(q, k, v, bias, projection, mask, variant="nprf_near", near_field_width=91)
     torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-5)
+    assert splits and splits[0] is not None  # it ran as items
     weights = Fn.nprf_attention_weights(q, k, bias, projection, mask, variant="nprf_near", near_field_width=91)
     torch.testing.assert_close((weights.double() @ v.double()), expected, rtol=1e-4, atol=1e-5)
 
