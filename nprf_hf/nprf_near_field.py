@@ -5,11 +5,13 @@ E[phi(x) . phi(y)] = exp(x . y), so both halves are on one scale and the normali
 
     w_ij = P_ij (exp(s q_hat_i . k_hat_j) [|j - i| < W] + phi_i . phi_j [|j - i| >= W])
 
-with P_ij the position factor of every other term (c_{j-i}, segment and first-key factors, word matching). Two
-forms: the n x n kernel (`near_field_kernel`, for the dense algorithm and the attention weights), and for the
-linear-cost algorithms the band's correction (`near_field_correction`), which the NPRF product's sums then add:
-sum_{|j-i|<W} P_ij (exp(s q_hat_i . k_hat_j) - phi_i . phi_j) [v_j | 1], O(n W (d + m + e)), computed a chunk of
-queries at a time against the window of keys their band reaches. Pure functions, no state.
+with P_ij the position factor of every other term (c_{j-i}, segment and first-key factors, word matching). Three
+forms: the `NearField` that the dense and banded products read themselves (their coefficient tile split into a far
+part, times phi_q phi_k^T, and a near part, times exp(q_unit k_unit^T), in cache); the n x n kernel
+(`near_field_kernel`, for the attention weights and dense calls with pair terms); and for the others (fft, or pair
+terms, whose factors scale the keys a product is given) the band's correction (`near_field_correction`), which the
+NPRF product's sums then add: sum_{|j-i|<W} P_ij (exp(s q_hat_i . k_hat_j) - phi_i . phi_j) [v_j | 1],
+O(n W (d + m + e)), a chunk of queries at a time against the window of keys their band reaches. Pure functions.
 """
 
 from typing import NamedTuple, Optional
