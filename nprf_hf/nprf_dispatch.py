@@ -32,6 +32,7 @@ class Crossovers(NamedTuple):
     dense_factor_inference: float
     fft_min_length: int
     measured_on: str
+    dense_factor_near: float = 1.0  # the exact near field: its dense product computes both kernels on every pair
 
 
 # The PyTorch algorithms' crossovers, measured on the 2-core CPU. Under autograd the eager dense product runs in
@@ -45,7 +46,9 @@ class Crossovers(NamedTuple):
 # band (a bias learned per distance), fft only beats dense from about 8192 tokens (dense at 2048: 0.46 s vs fft
 # 1.95 s forward, one thread), where dense's n x n weights also stop fitting in memory. The Triton kernels (below)
 # have no crossover: on a CUDA device they run every length they compute.
-CROSSOVERS = {"torch": Crossovers(1.7, 1.0, 1.6, 8192, "2-core CPU, torch 2.13 (no GPU timing of these rows)")}
+# The exact near field's dense product computes both kernels on every pair, its banded one only the window's: at
+# 8 x 512 (a window of 270) banded took 1.43x / 1.41x NPRF's time (forward / fwd+bwd), dense 1.79x / 1.68x.
+CROSSOVERS = {"torch": Crossovers(1.7, 1.0, 1.6, 8192, "2-core CPU, torch 2.13 (no GPU timing of these rows)", 1.0)}
 # On a CUDA device: the fused kernels (`nprf_triton`) for every length they compute. Not timed against the PyTorch
 # algorithms on one device: the kernels' H200 times are 6-90x below the PyTorch path's H100 times of the day
 # before (RESULTS, "On a GPU"), at every length both measured.
@@ -71,9 +74,9 @@ def kernel_or_auto(algorithm, query, projection, variant, terms):
     return "auto"
 
 
-def resolve_algorithm(algorithm, bias, n, band_width, m, e, inference=False):
-    """Pick the algorithm for `auto` (`inference`: no autograd, whose dense-banded crossover is measured apart) and
-    the band width for `banded`."""
+def resolve_algorithm(algorithm, bias, n, band_width, m, e, inference=False, near=False):
+    """Pick the algorithm for `auto` (`inference`: no autograd, whose dense-banded crossover is measured apart;
+    `near`: the exact near field's) and the band width for `banded`."""
     tied = band_width is not None
     # the check is a host sync: eager mode only, and not for the kernels on a GPU, where a sync per layer stalls the
     # queue they keep full (a model passes the band of its own bucket table, right by construction)
@@ -101,6 +104,7 @@ def resolve_algorithm(algorithm, bias, n, band_width, m, e, inference=False):
     if has_band:
         factor = crossovers.dense_factor_compiled if torch.compiler.is_compiling() else crossovers.dense_factor
         factor = crossovers.dense_factor_inference if inference else factor
+        factor = crossovers.dense_factor_near if near else factor
         return ("dense" if n <= factor * banded_window(band_width, m, e) else "banded"), band_width
     return ("fft" if n >= crossovers.fft_min_length else "dense"), band_width
 
@@ -242,7 +246,8 @@ def choose_route(call, requested):
     )
     algorithm = kernel_or_auto(requested, query, projection, call.variant, terms)
     algorithm, band_width = resolve_algorithm(
-        algorithm, bias, n, call.band_width, m, value.shape[-1] + 1, inference=not needs_grad
+        algorithm, bias, n, call.band_width, m, value.shape[-1] + 1, inference=not needs_grad,
+        near=call.variant in NEAR_FIELD_VARIANTS,
     )
     backend, algorithm = BACKEND_OF.get(algorithm, ("torch", algorithm))
     recompute = call.recompute
