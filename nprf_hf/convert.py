@@ -44,8 +44,8 @@ logger = logging.getLogger(__name__)
 NEEDS_TRANSFER_MESSAGE = (
     "converted without attention transfer: the attention changed, so the outputs are not yet the source's (how "
     "far, and how much the transfer wins back, is measured in docs/RESULTS.md#attention-transfer). Fix: nprf-hf "
-    "convert SRC OUT --attention-transfer-text FILE (plain text, one text per line), or fine-tune the model on "
-    "your task."
+    "convert SRC OUT --attention-transfer-text FILE (plain text, one text per line; it converts with the exact near "
+    "field, attention_variant nprf_near, the recipe measured best), or fine-tune the model on your task."
 )
 # An encoder made a decoder has no causal attention to copy: attention transfer refuses it.
 NEEDS_LANGUAGE_MODELLING_MESSAGE = (
