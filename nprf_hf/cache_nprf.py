@@ -440,7 +440,8 @@ class NPRFGenerationMixin:
         assisted = getattr(generation_mode, "value", generation_mode) == "assisted_generation"
         assisted = assisted or generation_config.is_assistant
         builds = model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False
-        if builds and implementation == "static" and (assisted or self.config.attention_variant in KEY_VALUE_CACHE_VARIANTS):
+        key_value_only = self.config.attention_variant in KEY_VALUE_CACHE_VARIANTS
+        if builds and implementation == "static" and (assisted or key_value_only):
             reason = "assisted generation rolls the cache back, which the far sums S, z cannot" if assisted else (
                 f"attention_variant={self.config.attention_variant!r} weighs every past key (no constant-size state)")
             raise ValueError(f"cache_implementation='static' (NPRFStaticCache) cannot serve this call: {reason}; use "

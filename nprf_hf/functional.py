@@ -186,7 +186,9 @@ def _nprf_attention(call, route):
     value = call.value.to(dtype)
     logit_scale = terms.logit_scale
     near = call.variant in NEAR_FIELD_VARIANTS
-    near_width = (call.near_field_width or route.band_width or infer_band_width(call.bias.detach(), n)) if near else None
+    near_width = None
+    if near:  # (the band width: given, resolved, or inferred from the bias)
+        near_width = call.near_field_width or route.band_width or infer_band_width(call.bias.detach(), n)
     if near and route.algorithm == "dense" and terms.pair_terms:  # the n x n kernel: every term as in the weights
         weights = _weights(query, key, call.bias, call.projection, mask, causal, terms, call.variant, near_width)
         return (weights @ value).to(query.dtype)
@@ -258,7 +260,8 @@ def nprf_attention_weights(
                                   near_field_width)
 
 
-def _attention_weights(query, key, rpe_bias, projection, key_padding_mask, causal, terms, variant, near_field_width=None):
+def _attention_weights(query, key, rpe_bias, projection, key_padding_mask, causal, terms, variant,
+                       near_field_width=None):
     """`nprf_attention_weights` once its inputs are checked."""
     n = query.shape[-2]
     dtype = compute_dtype(query.dtype)

@@ -71,7 +71,8 @@ def banded_toeplitz_attention(phi_q, phi_k, value, c, band_width, causal, near=N
         query = _zero_padded(near.query, 0, padded - n).reshape(-1, chunk, near.query.shape[-1])
         keys = _zero_padded(near.key, reach * chunk, padded - n + (0 if causal else reach * chunk))
         if near.key_mask is not None:  # a padded key's exact weight meets a zero [v | 1] (its features are zero)
-            u_rows.view(batch, heads, -1, e)[:, :, reach * chunk : reach * chunk + n].mul_(near.key_mask[:, None, :, None])
+            keys_u = u_rows.view(batch, heads, -1, e)[:, :, reach * chunk : reach * chunk + n]
+            keys_u.mul_(near.key_mask[:, None, :, None])
         near_inputs = (query, keys.view(batch * heads, -1, near.key.shape[-1]), near_coefficients)
     out = band_window_product(q_chunks, k_rows, u_rows, coefficients, *near_inputs)
 
@@ -242,7 +243,8 @@ def band_window_product(
             weights = torch.bmm(q[rows], k_windows[sequence, first:last], out=buffers[slot][0, : last - first])
             weights.mul_(coefficients[sequence % heads])
             if near:
-                exact = torch.bmm(q_near[rows], k_near_windows[sequence, first:last], out=buffers[slot][1, : last - first])
+                exact = torch.bmm(q_near[rows], k_near_windows[sequence, first:last],
+                                  out=buffers[slot][1, : last - first])
                 weights.addcmul_(exact.exp_(), near_coefficients[sequence % heads])
             torch.bmm(weights, u_windows[sequence, first:last], out=out[rows])
 
@@ -312,8 +314,8 @@ def _band_window_backward(q, k_rows, u_rows, coefficients, grad_out, needs_coeff
     grad_k_near = torch.zeros_like(k_near_rows) if near else None
     k_near_windows = k_near_rows.unfold(1, window, chunk) if near else None
     group = min(BANDED_GROUP, num_chunks)  # per-thread buffers, reused: no allocation per group
-    buffers = [(*(q.new_empty(group, chunk, window) for _ in range(3 + near)), q.new_empty(group, window, u_rows.shape[-1]),
-                q.new_empty(group, window, q.shape[-1]),
+    buffers = [(*(q.new_empty(group, chunk, window) for _ in range(3 + near)),
+                q.new_empty(group, window, u_rows.shape[-1]), q.new_empty(group, window, q.shape[-1]),
                 q.new_empty(group, window, q_near.shape[-1]) if near else None)
                for _ in range(parallel_slots(sequences, q.device))]
 
@@ -329,8 +331,9 @@ def _band_window_backward(q, k_rows, u_rows, coefficients, grad_out, needs_coeff
             if grad_coefficients is not None:
                 grad_coefficients[0, sequence] += torch.mul(scores, grad_weights, out=product_buffer[:count]).sum(0)
             weights = scores.mul_(coefficient)
-            if near:  # w += exp(q_near K_near) * near_coefficients: its logits' gradient exp(.) * dL/dw * near_coefficients
-                near_coefficient, k_near_group = near_coefficients[sequence % heads], k_near_windows[sequence, first:last]
+            if near:  # w += exp(q_near K_near) near_coefficients: the logits' gradient exp(.) dL/dw near_coefficients
+                near_coefficient = near_coefficients[sequence % heads]
+                k_near_group = k_near_windows[sequence, first:last]
                 exact = torch.bmm(q_near[rows], k_near_group, out=exact_buffer[0][:count]).exp_()
                 if grad_coefficients is not None:
                     grad_coefficients[1, sequence] += torch.mul(exact, grad_weights, out=product_buffer[:count]).sum(0)
@@ -351,7 +354,8 @@ def _band_window_backward(q, k_rows, u_rows, coefficients, grad_out, needs_coeff
     if grad_coefficients is not None:
         grad_coefficients = grad_coefficients.view(1 + near, -1, heads, chunk, window).sum(1)
         # (copies: an op's outputs may not alias each other)
-        grad_coefficients, grad_near_coefficients = grad_coefficients[0].clone(), (grad_coefficients[1].clone() if near else None)
+        grad_near_coefficients = grad_coefficients[1].clone() if near else None
+        grad_coefficients = grad_coefficients[0].clone()
     return grad_q, grad_k, grad_u, grad_coefficients, grad_q_near, grad_k_near, grad_near_coefficients
 
 

@@ -168,7 +168,8 @@ class _DenseToeplitzProduct(torch.autograd.Function):
         need_v, need_c = ctx.needs_input_grad[7:9]
         toeplitz, near_toeplitz = _near_toeplitz(c, n, ctx.width)
         near = near_toeplitz is not None
-        inside = near_toeplitz.new_ones(n, n, dtype=torch.bool).triu(1 - ctx.width).tril(ctx.width - 1) if near else None
+        inside = None if not near else near_toeplitz.new_ones(n, n, dtype=torch.bool).triu(1 - ctx.width).tril(
+            ctx.width - 1)
         grad_q_near = torch.zeros_like(q_near) if need_q_near else None
         grad_k_near = torch.zeros_like(k_near) if need_k_near else None
         if ctx.normalized:
@@ -234,7 +235,8 @@ class _DenseToeplitzProduct(torch.autograd.Function):
                     if need_q_near:
                         torch.matmul(grad_logits, k_near_, out=grad_q_near[b, heads_])
                     if need_k_near:
-                        torch.matmul(grad_logits.transpose(-1, -2), q_near[b, heads_], out=grad_k_near[b, heads_, :length])
+                        torch.matmul(grad_logits.transpose(-1, -2), q_near[b, heads_],
+                                     out=grad_k_near[b, heads_, :length])
                 grad_weights.mul_(scale)  # dL/d(phi_q_i . phi_k_j)
                 if ctx.exponential:  # dL/d(q_i . k_j) = dL/dkernel_ij kernel_ij
                     grad_weights.mul_(product)

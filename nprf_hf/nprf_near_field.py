@@ -102,9 +102,9 @@ def near_field_correction(query, key, phi_q, phi_k, u, c, width, causal, mask, l
         return x.view(batch, heads, chunks, chunk, x.shape[-1])
 
     # positions of the window layout: query t * chunk + a, key t * chunk - before + w
-    query_positions = (torch.arange(chunks, device=device)[:, None] * chunk + torch.arange(chunk, device=device))[:, :, None]
-    key_positions = (torch.arange(chunks, device=device)[:, None] * chunk - before
-                     + torch.arange(window, device=device))[:, None, :]
+    starts = torch.arange(chunks, device=device)[:, None] * chunk
+    query_positions = (starts + torch.arange(chunk, device=device))[:, :, None]
+    key_positions = (starts - before + torch.arange(window, device=device))[:, None, :]
     distance = key_positions - query_positions  # [chunks, chunk, window]
     inside = (distance.abs() < width) & (key_positions >= 0) & (key_positions < n) & (query_positions < n)
     if causal:
