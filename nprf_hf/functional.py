@@ -201,7 +201,7 @@ def _nprf_attention(call, route):
     )
     # The near field inside the product where it can read it (the pair terms scale the keys it is given, which the
     # exact kernel's keys would miss); else the band's correction of the product's sums.
-    product = toeplitz_product(route, inference, near=near and not terms.pair_terms)
+    product = toeplitz_product(route, inference)
     near_field = None
     band_width = route.band_width
     if near and product.near and not terms.pair_terms:
@@ -284,8 +284,8 @@ def _weights(query, key, bias, projection, mask, causal, terms, variant, near_fi
         phi_q, phi_k = query_key_features(query, key, projection, mask, dtype, terms.logit_scale, variant=variant)
         kernel = phi_q @ phi_k.transpose(-1, -2)
         if variant in NEAR_FIELD_VARIANTS:
-            kernel = near_field_kernel(query.to(dtype), key.to(dtype), phi_q, phi_k, mask, terms.logit_scale,
-                                       near_field_width)
+            near = near_field_inputs(query, key, mask, terms.logit_scale, near_field_width, dtype)
+            kernel = near_field_kernel(phi_q, phi_k, near)
     weights = terms.weights(kernel, toeplitz_matrix(c, n), shift, dtype)
     return normalize_attention(weights, weights.sum(-1, keepdim=True))
 

@@ -19,6 +19,7 @@ from torch.autograd.function import once_differentiable
 
 from .nprf_cpu_threads import parallel_items, parallel_slots
 from .nprf_features import NORM_EPS, kept_denominator, row_norms
+from .nprf_near_field import band_of, near_field_kernel
 from .nprf_positions import toeplitz_matrix
 
 
@@ -32,16 +33,8 @@ DENSE_GROUP_BYTES = 1 << 22
 def dense_toeplitz_attention(phi_q, phi_k, u, c, near=None):
     """O(n^2 (m + e)): the n x n weights, then one matmul. `near`: an `nprf_near_field.NearField`, whose exact
     kernel replaces phi_q . phi_k for the pairs closer than its width."""
-    n = phi_q.shape[-2]
-    kernel = phi_q @ phi_k.transpose(-1, -2)
-    if near is not None:
-        positions = torch.arange(n, device=phi_q.device)
-        inside = (positions[None, :] - positions[:, None]).abs() < near.width
-        exact = torch.exp(near.query @ near.key.transpose(-1, -2))
-        if near.key_mask is not None:  # (a padded key's features are zero, its unit vector is not)
-            exact = exact * near.key_mask[:, None, None, :]
-        kernel = torch.where(inside, exact, kernel)
-    return (kernel * toeplitz_matrix(c, n)) @ u
+    kernel = phi_q @ phi_k.transpose(-1, -2) if near is None else near_field_kernel(phi_q, phi_k, near)
+    return (kernel * toeplitz_matrix(c, phi_q.shape[-2])) @ u
 
 
 def dense_toeplitz_inference(phi_q, phi_k, value, c, key_lengths, normalized=False, near=None):
@@ -71,8 +64,7 @@ def _near_toeplitz(c, n, width):
     toeplitz = toeplitz_matrix(c, n)
     if width is None:
         return toeplitz, None
-    positions = torch.arange(n, device=c.device)
-    inside = (positions[None, :] - positions[:, None]).abs() < width
+    inside = band_of(n, width, c.device)
     return toeplitz.masked_fill(inside, 0.0), toeplitz.masked_fill(~inside, 0.0)
 
 
@@ -168,8 +160,7 @@ class _DenseToeplitzProduct(torch.autograd.Function):
         need_v, need_c = ctx.needs_input_grad[7:9]
         toeplitz, near_toeplitz = _near_toeplitz(c, n, ctx.width)
         near = near_toeplitz is not None
-        inside = None if not near else near_toeplitz.new_ones(n, n, dtype=torch.bool).triu(1 - ctx.width).tril(
-            ctx.width - 1)
+        inside = band_of(n, ctx.width, c.device) if near else None
         grad_q_near = torch.zeros_like(q_near) if need_q_near else None
         grad_k_near = torch.zeros_like(k_near) if need_k_near else None
         if ctx.normalized:

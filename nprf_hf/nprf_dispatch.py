@@ -264,14 +264,12 @@ def choose_route(call, requested):
     return Route(backend, algorithm, mode, band_width, requested)
 
 
-def toeplitz_product(route, inference, near=False):
+def toeplitz_product(route, inference):
     """The product row functional's pipeline runs for `route`: eager, the algorithm's "inference" row (nothing the
-    product reads requires grad) or "training" row; compiled, or where it has none, its "autograd" row. `near`: a
-    row that reads the exact near field where the algorithm has one."""
+    product reads requires grad) or "training" row; compiled, or where it has none, its "autograd" row."""
     mode = "autograd" if torch.compiler.is_compiling() else "inference" if inference else "training"
     row = PRODUCTS.get((route.backend, route.algorithm, mode))
-    autograd = PRODUCTS[route.backend, route.algorithm, "autograd"]
-    return autograd if row is None or (near and not row.near and autograd.near) else row
+    return PRODUCTS[route.backend, route.algorithm, "autograd"] if row is None else row
 
 
 def run_attention(call, route, pipeline):

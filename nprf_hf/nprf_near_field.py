@@ -58,15 +58,13 @@ def band_of(n, width, device):
     return (positions[None, :] - positions[:, None]).abs() < width
 
 
-def near_field_kernel(query, key, phi_q, phi_k, mask, logit_scale, width):
-    """[B, H, n, n]: exp(s q_hat_i . k_hat_j) inside the band |j - i| < `width`, phi_q_i . phi_k_j beyond; zero for
-    padded keys (`mask` [B, n] float, 1 = keep, or None). The features phi_k already have padded keys zeroed."""
-    n = query.shape[-2]
-    q, k = scaled_unit(query, logit_scale), scaled_unit(key, logit_scale)
-    exact = torch.exp(q @ k.transpose(-1, -2))
-    if mask is not None:
-        exact = exact * mask[:, None, None, :]
-    return torch.where(band_of(n, width, query.device), exact, phi_q @ phi_k.transpose(-1, -2))
+def near_field_kernel(phi_q, phi_k, near):
+    """[B, H, n, n]: the exact kernel exp(near.query_i . near.key_j) inside the band |j - i| < near.width (zero for
+    padded keys), phi_q_i . phi_k_j beyond (the features have padded keys zeroed already)."""
+    exact = torch.exp(near.query @ near.key.transpose(-1, -2))
+    if near.key_mask is not None:  # (a padded key's features are zero, its unit vector is not)
+        exact = exact * near.key_mask[:, None, None, :]
+    return torch.where(band_of(near.query.shape[-2], near.width, exact.device), exact, phi_q @ phi_k.transpose(-1, -2))
 
 
 def near_field_chunk(width):
