@@ -3,8 +3,8 @@
 
 Why (issue 45): PyTorch splits every CPU operator over its threads, so one attention call is a few hundred parallel
 regions (the feature map's and the division's elementwise operators, the products, their autograd backward), and
-each region's barrier waits for a thread the OS may have parked behind another process: on a shared core NPRF lost
-2-3x more time than SDPA, whose fused kernel is a single region. Here a call is cut into items of a few heads (over
+each region's barrier waits for a thread the OS may have parked behind another process (measured: docs/RESULTS.md
+"On a busy CPU"); SDPA's fused kernel is a single region. Here a call is cut into items of a few heads (over
 all its sequences, or with fewer heads than items over groups of them), and whichever of the threads is free computes
 an item entirely (features, Toeplitz product, terms, division) with single-threaded operators
 (`nprf_cpu_threads.parallel_items`): one region per call, and a descheduled thread simply takes fewer items. Under
@@ -25,13 +25,11 @@ from .nprf_positions import masked_bias
 
 # Calls smaller than this many elements of features and values (B x H x n x (m + d_v)), or of shorter sequences, run
 # as one item: there each item's Python (and the products' per-sequence loops, which every item repeats) costs more
-# than the split saves. Measured on 2 threads (H = 12, d = 32, m = 64), split / whole: at 32 x 128 1.15x quiet forward
-# and 1.25x training (busy: 1.0x and 0.43x); at 8 x 512 0.71x and 0.99x quiet, 0.84x and 0.66x busy; at 1 x 4,096
-# 0.85x and 1.0x quiet, 0.5-0.7x busy.
+# than the split saves (docs/RESULTS.md "One region per attention call: the call as items")
 SPLIT_MIN_ELEMENTS = 1 << 20
 SPLIT_MIN_LENGTH = 512
-# Items per thread: more than one, so that a thread the OS parks takes fewer of them and the others the rest (quiet,
-# each item more costs time: at 8 x 512 inference 2 per thread were as fast as 1, 3 and 4 slower).
+# Items per thread: more than one, so that a thread the OS parks takes fewer of them and the others the rest; more
+# than two cost time on a quiet machine (same RESULTS section)
 ITEMS_PER_THREAD = 2
 
 

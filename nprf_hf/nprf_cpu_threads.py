@@ -1,14 +1,13 @@
 # coding=utf-8
 """CPU threads for the banded algorithm's loops: one parallel region per call instead of one per operator.
 
-Why (issue 45, measured on 2 cores with one other process spinning on a core): PyTorch runs each CPU operator
-as an OpenMP region split evenly over its threads, and a thread that finishes early spin-waits at the region's
-end. The banded loops run a few hundred such regions per attention call (each chunk group's matmuls, each
-chunk's running sums); once a core is shared, the spinning and the split that cannot move work off the slow
-thread cost about a scheduler slice per region: 7.8x the quiet time against SDPA's 1.7x. Here the loop's
-items are taken instead by whichever thread is free (the calling thread and `torch.get_num_threads() - 1`
-workers), each running its operators on one thread: no barrier until the last item, and a descheduled thread
-simply takes fewer items. Quiet, the same work runs as fast as before.
+Why (issue 45): PyTorch runs each CPU operator as an OpenMP region split evenly over its threads, and a thread
+that finishes early spin-waits at the region's end. The banded loops run a few hundred such regions per attention
+call (each chunk group's matmuls, each chunk's running sums); once a core is shared, the spinning and the split
+that cannot move work off the slow thread cost about a scheduler slice per region (docs/RESULTS.md "On a busy
+CPU"). Here the loop's items are taken instead by whichever thread is free (the calling thread and
+`torch.get_num_threads() - 1` workers), each running its operators on one thread: no barrier until the last item,
+and a descheduled thread simply takes fewer items. Quiet, the same work runs as fast as before.
 
 Only the calling thread's own settings change, and only while a call runs: OpenMP's per-thread thread count
 (`omp_set_num_threads` from a thread outside any parallel region sets that thread's value) and MKL's
@@ -135,13 +134,12 @@ class ThreadChoice:
     whichever the steps themselves were timed faster with.
 
     Why (issue 45): every product is a parallel region, and once another process shares a core each region waits
-    about a scheduler slice for the thread the OS has parked. A RoBERTa-base-sized decoder's step on the 2-core
-    machine: 35 ms quiet and 210-480 ms busy with two threads, 53 ms either way with one. No size rule picks both:
-    quiet, the second thread is worth 1.5x. So the steps are timed as they run: the faster way is used, and every
-    `PROBE_EVERY`-th step runs the other way, to notice when the machine's load changes. A probe's step is taken as
-    it is (fresh news of the way not in use); a step of the way in use is averaged with its estimate (one slow step,
-    a stall, does not send the next 31 steps the slower way; a busy core's steady 4-9x does at once). Only the
-    calling thread's count changes, and only during a step (`single_threaded`)."""
+    about a scheduler slice for the thread the OS has parked; quiet, the second thread pays, so no size rule picks
+    both (measured: docs/RESULTS.md "Decode steps on the threads they are faster on"). The faster way is used, and
+    every `PROBE_EVERY`-th step runs the other way, to notice when the machine's load changes. A probe's step is
+    taken as it is (fresh news of the way not in use); a step of the way in use is averaged with its estimate (one
+    stall does not send the next steps the slower way; a busy core's steady slowdown does at once). Only the calling
+    thread's count changes, and only during a step (`single_threaded`)."""
 
     PROBE_EVERY = 32
 

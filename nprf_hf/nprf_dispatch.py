@@ -35,23 +35,9 @@ class Crossovers(NamedTuple):
     dense_factor_near: float = 1.0  # the exact near field: its dense product computes both kernels on every pair
 
 
-# The PyTorch algorithms' crossovers, measured on the 2-core CPU. Under autograd the eager dense product runs in
-# cache and rebuilds its weights in backward (`dense_toeplitz_training`): forward + backward on padded batches
-# (B=8, H=12, m=64, T5's default buckets: a window of 314 / 334 at d = 32 / 64, one thread) it takes 0.62x / 0.68x of
-# banded's time at 384 tokens, 0.94x / 0.90x at 512, 1.19x / 1.07x at 768: they cross at about 1.7 windows
-# (with the weights kept by autograd they crossed at one window). Compiled: 1.0 (torch.compile traces the plain
-# autograd product, which keeps its weights). Without autograd the dense product runs in cache and skips padded keys
-# (`dense_toeplitz_inference`): on padded batches (B=8, H=12, m=64, a window of 334) it takes 0.93x (d=32) / 0.89x
-# (d=64) of banded's time at 512 tokens, 1.8x / 1.6x at 768: they cross at about 540 tokens, 1.6 windows. Without a
-# band (a bias learned per distance), fft only beats dense from about 8192 tokens (dense at 2048: 0.46 s vs fft
-# 1.95 s forward, one thread), where dense's n x n weights also stop fitting in memory. The Triton kernels (below)
-# have no crossover: on a CUDA device they run every length they compute.
-# The exact near field's dense product computes both kernels on every pair, its banded one only the window's: at
-# 8 x 512 (a window of 270) banded took 1.43x / 1.41x NPRF's time (forward / fwd+bwd), dense 1.79x / 1.68x.
+# The PyTorch algorithms' crossovers on the 2-core CPU; the measurements behind each: docs/RESULTS.md "What `auto` runs"
 CROSSOVERS = {"torch": Crossovers(1.7, 1.0, 1.6, 8192, "2-core CPU, torch 2.13 (no GPU timing of these rows)", 1.0)}
-# On a CUDA device: the fused kernels (`nprf_triton`) for every length they compute. Not timed against the PyTorch
-# algorithms on one device: the kernels' H200 times are 6-90x below the PyTorch path's H100 times of the day
-# before (RESULTS, "On a GPU"), at every length both measured.
+# On a CUDA device: the fused kernels (`nprf_triton`) for every length they compute (RESULTS, "What `auto` runs")
 KERNEL_OF_DEVICE = {"cuda": "triton"}
 
 
