@@ -31,7 +31,8 @@ def _value(value):
 
 def render():
     """The table, from `NPRF_FIELDS` in declaration order."""
-    sys.path.insert(0, ROOT)
+    if ROOT not in sys.path:  # run as a script from a clone that is not installed
+        sys.path.insert(0, ROOT)
     from nprf_hf.options import NPRF_FIELDS  # the declarations alone: no torch
 
     rows = ["| field | default | saved | what |", "|---|---|---|---|"]
