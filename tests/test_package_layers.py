@@ -16,7 +16,7 @@ LAYERS = {
              "nprf_terms", "nprf_naive", "nprf_triton", "nprf_triton_kernels",
              "nprf_triton_decode", "nprf_dispatch", "functional",
              "nprf_recurrent", "nprf_context_parallel"),
-    "model": ("configuration_nprf", "cache_nprf", "modeling_nprf"),
+    "model": ("configuration_nprf", "cache_nprf", "attention_nprf", "modeling_nprf"),
     "tools": ("glue", "transfer", "long_context", "convert", "modelcard", "cli"),
 }
 ORDER = list(LAYERS)

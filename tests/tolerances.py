@@ -364,7 +364,7 @@ def _term_keywords(terms):
 
 @contextlib.contextmanager
 def attention_checked_against(against="dense", model=WORST, replace=True):
-    """Inside the models (`nprf_attention` as `modeling_nprf` and the decoders' cache `cache_nprf` call it):
+    """Inside the models (`nprf_attention` as `attention_nprf` and the decoders' cache `cache_nprf` call it):
     every attention computed with another algorithm is checked, per element, against the same call with `against`
     (`attention_rounding`'s bounds for these very inputs, whose conditioning a model's hidden states set), and
     the model goes on with `against`'s output. A model configured with another algorithm then returns the
@@ -375,9 +375,9 @@ def attention_checked_against(against="dense", model=WORST, replace=True):
     replace=False: the model goes on with its own algorithm's output (its backward then runs too); the context
     yields a list that collects, per checked call, (the values' bound relative to max |v| + max |z|, the
     gradients' relative bound), for a bound on the model's outputs and gradients (`model_rounding`'s gain)."""
-    from nprf_hf import cache_nprf, modeling_nprf
+    from nprf_hf import attention_nprf, cache_nprf
 
-    original = modeling_nprf.nprf_attention
+    original = attention_nprf.nprf_attention
     assert cache_nprf.nprf_attention is original
     recorded = []
 
@@ -399,11 +399,11 @@ def attention_checked_against(against="dense", model=WORST, replace=True):
         recorded.append(((rounding.values.nan_to_num(0.0).max() / scale).item(), rounding.gradient))
         return expected if replace else out
 
-    modeling_nprf.nprf_attention = cache_nprf.nprf_attention = checked
+    attention_nprf.nprf_attention = cache_nprf.nprf_attention = checked
     try:
         yield recorded
     finally:
-        modeling_nprf.nprf_attention = cache_nprf.nprf_attention = original
+        attention_nprf.nprf_attention = cache_nprf.nprf_attention = original
 
 
 MODEL_GAIN = 10.0  # per layer (`model_rounding`)
