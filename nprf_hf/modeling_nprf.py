@@ -62,7 +62,7 @@ from .families import ATTENTION_LAYOUTS, FAMILIES, HEADS, family_of
 from .options import NPRF_FIELDS
 from .functional import far_bucket_table, relative_position_bias
 from .nprf_terms import ATTENTION_TERMS
-from .nprf_context_parallel import shard_position_offset
+from .nprf_context_parallel import context_parallel_group, shard_position_offset
 
 
 logger = logging.get_logger(__name__)
@@ -511,6 +511,10 @@ class NPRFModelMixin:
         """Whether a decoder called without a cache gets an NPRFCache: caching asked for (or the config's default),
         no attention weights, and a padding mask."""
         use_cache, output_attentions = arguments.get("use_cache"), arguments.get("output_attentions")
+        if use_cache is None and context_parallel_group() is not None:
+            # a sharded sequence cannot be cached (an NPRFCache holds one process's whole sequence): without a
+            # use_cache of the caller's, the decoder runs without a cache; use_cache=True is refused by the layers
+            use_cache = arguments["use_cache"] = False
         return (
             (use_cache or (use_cache is None and self.config.use_cache))
             and not (output_attentions or (output_attentions is None and self.config.output_attentions))

@@ -52,9 +52,9 @@ def context_parallel(group=None):
     Each rank passes its contiguous shard of every sequence (`input_ids[:, lo:hi]`, the ranks in order; equal
     shards except the last, or any lengths >= 1) and gets its shard of the one-process outputs: position ids and
     the relative position bias follow global positions. Gradients summed over the ranks equal one process's. A
-    decoder runs with `use_cache=False`. Gradient checkpointing (untested) recomputes layers in backward, which
-    must then run inside the block too. Attention weights (`output_attentions`), general 4D masks and the segment /
-    word-matching / first-key terms are not supported.
+    decoder called without `use_cache` runs without a cache (`use_cache=True` is refused). Gradient checkpointing
+    (untested) recomputes layers in backward, which must then run inside the block too. Attention weights
+    (`output_attentions`), general 4D masks and the segment / word-matching / first-key terms are not supported.
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("context_parallel needs torch.distributed initialized (dist.init_process_group)")

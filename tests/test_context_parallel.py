@@ -202,15 +202,16 @@ def model_worker(rank, world_size, port, out_dir):
         input_ids[1, 30:], attention_mask[1, 30:] = pad, 0  # right padding, across the shard boundary
         grad_out = None
 
-        def run(ids, mask):
-            out = model(input_ids=ids, attention_mask=mask, use_cache=False)
+        def run(ids, mask, **cache):
+            out = model(input_ids=ids, attention_mask=mask, **cache)
+            assert getattr(out, "past_key_values", None) is None
             return out.logits if decoder else out.last_hidden_state
 
-        want = run(input_ids, attention_mask)
+        want = run(input_ids, attention_mask, use_cache=False)
         grad_out = torch.randn(want.shape)
         want_grads = torch.autograd.grad(want, list(model.parameters()), grad_out, allow_unused=True)
         lo, hi = shard(n, world_size, rank)
-        with nprf_hf.context_parallel():
+        with nprf_hf.context_parallel():  # no use_cache: a sharded decoder runs without a cache
             got = run(input_ids[:, lo:hi], attention_mask[:, lo:hi])
             got_grads = torch.autograd.grad(got, list(model.parameters()), grad_out[:, lo:hi], allow_unused=True)
         report[name] = shard_errors(got, want, got_grads, want_grads, list(model.parameters()), lo, hi)
@@ -262,7 +263,9 @@ def test_converted_minilm_on_shards_equals_one_process(tmp_path):
 
 
 def test_decoder_cache_refused_inside_context_parallel():
-    """An NPRFCache decodes one process's whole sequence: inside `context_parallel` a decoder says to drop it."""
+    """An NPRFCache decodes one process's whole sequence: inside `context_parallel` a decoder asked for a cache
+    (use_cache=True) says to drop it; called without use_cache, it runs without one
+    (`test_models_on_shards_equal_one_process`)."""
     import nprf_hf
     from conftest import tiny_nprf_config
     from nprf_hf.nprf_context_parallel import _GROUPS
