@@ -42,9 +42,11 @@ _LAZY = {
     "convert_to_nprf": "convert",
     "convert_checkpoint": "convert",
     "attention_transfer": "transfer",
+    "TransferArguments": "transfer",
     "read_transfer_texts": "transfer",
     "TransferReport": "transfer",
     "long_context_distillation": "long_context",
+    "LongContextArguments": "long_context",
     "LongContextReport": "long_context",
     "read_long_text": "long_context",
     "chunk_and_pool": "long_context",
@@ -59,7 +61,8 @@ _LAZY = {
 }
 
 __all__ = ["functional", "NPRFCache", "NPRFStaticCache", "convert_to_nprf", "convert_checkpoint", "attention_transfer",
-           "read_transfer_texts", "TransferReport", "long_context_distillation", "LongContextReport", "read_long_text",
+           "TransferArguments", "read_transfer_texts", "TransferReport", "long_context_distillation",
+           "LongContextArguments", "LongContextReport", "read_long_text",
            "chunk_and_pool", "embed_documents", "set_attention_variant", "context_parallel", "SourceNotFoundError",
            "PushError", *_CLASSES]
 

@@ -33,6 +33,7 @@ the last hidden states over real tokens, L2-normalized.
   document, the signal attention transfer uses, here at the length the student will run at.
 """
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
@@ -334,31 +335,202 @@ def _check_lengths(student, teacher, tokenizer, document_length, window):
             )
 
 
+@dataclass
+class LongContextArguments:
+    """The options of `long_context_distillation` (defaults: `options.LONG_CONTEXT_DEFAULTS`).
+
+    short_texts: short texts kept faithful (default: the documents' sentences, cut at 128 tokens).
+    steps, batch_size: optimisation steps, documents per step.
+    document_length, passage_length, passages_per_document: tokens per document and passage.
+    short_batch_size: short texts per step (0 = none).
+    window, overlap: the teacher's chunk-and-pool windows (content tokens; window None = all the teacher's
+        positions, 510 for BERT and RoBERTa).
+    contrastive_weight, temperature: weight and temperature of the passage -> document InfoNCE term.
+    negatives: size of the contrastive term's memory of earlier documents (0 = the batch's only).
+    token_weight: weight of the per-token term (0 = off; the teacher then runs only its pooled windows).
+    learning_rate: Adam's rate of the weights; table_learning_rate: of the RPE tables and logit scales
+        (both decayed to a tenth along a cosine).
+    train: which parameters train, one of `LONG_CONTEXT_TRAIN`; everything else stays bit-identical.
+    seed: the spans, passages and text order (deterministic for a seed on one device).
+    eval_documents: held-out spans (drawn first, with their own generator) for the before/after report.
+    """
+
+    short_texts: Optional[Sequence[str]] = None
+    steps: int = LONG_CONTEXT_DEFAULTS["steps"]
+    batch_size: int = LONG_CONTEXT_DEFAULTS["batch_size"]
+    document_length: int = LONG_CONTEXT_DEFAULTS["document_length"]
+    passage_length: int = LONG_CONTEXT_DEFAULTS["passage_length"]
+    passages_per_document: int = LONG_CONTEXT_DEFAULTS["passages_per_document"]
+    short_batch_size: int = LONG_CONTEXT_DEFAULTS["short_batch_size"]
+    window: Optional[int] = LONG_CONTEXT_DEFAULTS["window"]
+    overlap: int = LONG_CONTEXT_DEFAULTS["overlap"]
+    contrastive_weight: float = LONG_CONTEXT_DEFAULTS["contrastive_weight"]
+    token_weight: float = LONG_CONTEXT_DEFAULTS["token_weight"]
+    temperature: float = LONG_CONTEXT_DEFAULTS["temperature"]
+    negatives: int = LONG_CONTEXT_DEFAULTS["negatives"]
+    learning_rate: float = LONG_CONTEXT_DEFAULTS["learning_rate"]
+    table_learning_rate: float = LONG_CONTEXT_DEFAULTS["table_learning_rate"]
+    train: str = LONG_CONTEXT_DEFAULTS["train"]
+    seed: int = LONG_CONTEXT_DEFAULTS["seed"]
+    eval_documents: int = 4
+    show_progress: bool = True
+
+    def check(self):
+        """A ValueError naming the first option out of range."""
+        if self.train not in LONG_CONTEXT_TRAIN:
+            raise ValueError(f"train='{self.train}' is not supported; allowed: {', '.join(LONG_CONTEXT_TRAIN)}")
+        if (self.steps < 0 or self.batch_size < 1 or self.passage_length < 1 or self.passages_per_document < 1
+                or self.short_batch_size < 0 or self.negatives < 0):
+            raise ValueError("need steps >= 0, batch_size >= 1, passage_length >= 1, passages_per_document >= 1, "
+                             "short_batch_size >= 0, negatives >= 0")
+        if self.document_length <= self.passage_length:
+            raise ValueError(
+                f"document_length={self.document_length} must exceed passage_length={self.passage_length}"
+            )
+        if not (self.learning_rate > 0 and self.table_learning_rate > 0 and self.temperature > 0
+                and self.contrastive_weight >= 0 and self.token_weight >= 0):
+            raise ValueError("learning rates and temperature must be > 0, contrastive_weight and token_weight >= 0")
+
+    @property
+    def contrastive(self):
+        """Whether the passage -> document term has negatives to contrast with."""
+        return self.contrastive_weight > 0 and (self.batch_size > 1 or self.negatives > 0)
+
+
+def _token_cosine(student_tokens, teacher_tokens):
+    """[documents] mean cosine of each document's token states to the teacher's."""
+    return torch.stack([F.cosine_similarity(s, t, dim=-1).mean() for s, t in zip(student_tokens, teacher_tokens)])
+
+
+class _DocumentMatching:
+    """The recipe's terms: the student's whole-document embeddings against the teacher's chunk-and-pool (and,
+    with `token_weight`, its tokens' states against the teacher's windows'), its passage and short-text embeddings
+    against the teacher's, and the passage -> document contrastive term with its memory of negatives."""
+
+    def __init__(self, student, teacher, tokenizer, stream, window, arguments):
+        self.student, self.teacher, self.tokenizer = student, teacher, tokenizer
+        self.stream, self.window, self.arguments = stream, window, arguments
+        self.device = next(student.parameters()).device
+        self.max_short = min(126, window)  # content tokens of a short text: at most a sentence, within the teacher's reach
+        self.memory, self.memory_starts = None, ()  # the contrastive term's extra negatives, if any
+
+    def short_ids(self, texts):
+        return [self.tokenizer(t, add_special_tokens=False, truncation=True, max_length=self.max_short)["input_ids"]
+                for t in texts]
+
+    def teacher_targets(self, docs, passages, shorts, tokens=False):
+        """(pooled documents [N, hidden], passages, short texts or None, each document's token states or None)."""
+        teacher, tokenizer = self.teacher, self.tokenizer
+        with torch.no_grad():
+            # one pass over each document's windows gives both its pooled target and its tokens' targets
+            pooled, states = zip(*[_chunk_pass(teacher, tokenizer, ids, self.window, self.arguments.overlap,
+                                               MAX_WINDOWS_PER_BATCH, tokens) for ids in docs])
+            return (torch.stack(pooled),
+                    encode_token_ids(teacher, tokenizer, passages),
+                    encode_token_ids(teacher, tokenizer, shorts) if shorts else None,
+                    list(states) if tokens else None)
+
+    def fill_memory(self):
+        """The contrastive term's memory: `negatives` disjoint document spans, embedded by the student."""
+        length = self.arguments.document_length
+        # its own generator: the training spans stay those of a run without the memory
+        generator = torch.Generator().manual_seed(self.arguments.seed + 2_000_003)
+        self.memory_starts = disjoint_span_starts(len(self.stream), self.arguments.negatives, length, generator)
+        with torch.no_grad():
+            spans = [self.stream[s : s + length] for s in self.memory_starts]
+            self.memory = embed_documents(self.student, self.tokenizer, spans)
+
+    def evaluate(self, docs, passages, short_texts):
+        """{what: mean cosine to the teacher} on held-out documents, passages and short texts."""
+        student, tokenizer = self.student, self.tokenizer
+        shorts = self.short_ids(short_texts) if short_texts else []
+        target_docs, target_passages, target_short, target_tokens = self.teacher_targets(
+            docs, passages, shorts, tokens=True)
+        with torch.no_grad():
+            student_docs, student_tokens = zip(*[document_states(student, tokenizer, ids) for ids in docs])
+            result = {
+                "document vs chunk-and-pool": float((torch.stack(student_docs) * target_docs).sum(-1).mean()),
+                "token vs its window": float(_token_cosine(student_tokens, target_tokens).mean()),
+                "passage": float((encode_token_ids(student, tokenizer, passages) * target_passages).sum(-1).mean()),
+            }
+            if shorts:
+                result["short text"] = float((encode_token_ids(student, tokenizer, shorts) * target_short).sum(-1).mean())
+        return result
+
+    def losses(self, doc_starts, docs, passages, shorts):
+        """({term: loss}, the student's document embeddings [N, hidden]) of one step's batch."""
+        arguments, student, tokenizer = self.arguments, self.student, self.tokenizer
+        target_docs, target_passages, target_short, target_tokens = self.teacher_targets(
+            docs, passages, shorts, tokens=arguments.token_weight > 0)
+        student_docs, student_tokens = zip(*[document_states(student, tokenizer, ids) for ids in docs])
+        student_docs = torch.stack(student_docs)
+        student_passages = encode_token_ids(student, tokenizer, passages)
+        parts = {
+            "document": (1 - (student_docs * target_docs).sum(-1)).mean(),
+            "passage": (1 - (student_passages * target_passages).sum(-1)).mean(),
+        }
+        if shorts:
+            parts["short"] = (1 - (encode_token_ids(student, tokenizer, shorts) * target_short).sum(-1)).mean()
+        if arguments.token_weight > 0:
+            parts["token"] = arguments.token_weight * (1 - _token_cosine(student_tokens, target_tokens)).mean()
+        if arguments.contrastive:
+            logits = contrastive_logits(student_passages, student_docs, arguments.temperature, self.memory,
+                                        self.memory_starts, doc_starts, arguments.document_length)
+            labels = torch.arange(arguments.batch_size, device=self.device)
+            labels = labels.repeat_interleave(arguments.passages_per_document)
+            parts["contrastive"] = arguments.contrastive_weight * F.cross_entropy(logits, labels)
+        return parts, student_docs
+
+    def train(self, trainable, short_texts, generator):
+        """`arguments.steps` Adam steps on the sum of the terms; returns the history [{step, loss, terms}]."""
+        from .transfer import _progress, adam_with_cosine_decay, shuffled_cycle
+
+        arguments, history = self.arguments, []
+        optimizer, schedule = adam_with_cosine_decay(
+            trainable, arguments.steps, arguments.learning_rate, arguments.table_learning_rate
+        )
+        take_short = shuffled_cycle(short_texts, generator)
+        progress = _progress(arguments.steps, arguments.show_progress, "long-context recipe")
+        for step in range(1, arguments.steps + 1):
+            doc_starts = _span_starts(self.stream, arguments.batch_size, arguments.document_length, generator)
+            docs = [list(self.stream[s : s + arguments.document_length]) for s in doc_starts]
+            passages = sample_passages(docs, arguments.passages_per_document, arguments.passage_length, generator)
+            shorts = self.short_ids(take_short(arguments.short_batch_size))
+            parts, student_docs = self.losses(doc_starts, docs, passages, shorts)
+            loss = sum(parts.values())
+            if not torch.isfinite(loss):
+                raise ValueError(f"the long-context recipe diverged at step {step} (loss {float(loss)}): "
+                                 "lower the learning rates")
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+            if self.memory is not None:
+                self.memory, self.memory_starts = push_memory(self.memory, self.memory_starts, student_docs,
+                                                              doc_starts)
+            history.append({"step": step, "loss": loss.item(), **{k: v.item() for k, v in parts.items()}})
+            progress.set_postfix(loss=f"{history[-1]['loss']:.4f}")
+            progress.update(1)
+        progress.close()
+        return history
+
+
+def _held_out_set(stream, short_texts, arguments):
+    """(documents, passages, short texts) of the before/after report, drawn with a generator of their own."""
+    generator = torch.Generator().manual_seed(arguments.seed + 1_000_003)
+    docs = sample_documents(stream, arguments.eval_documents, arguments.document_length, generator)
+    passages = sample_passages(docs, 2, arguments.passage_length, generator)
+    shorts = [short_texts[i] for i in torch.randperm(len(short_texts), generator=generator)[:32].tolist()]
+    return docs, passages, shorts
+
+
 def long_context_distillation(
     student,
     teacher,
     tokenizer,
     documents: Sequence[str],
-    *,
-    short_texts: Optional[Sequence[str]] = None,
-    steps: int = LONG_CONTEXT_DEFAULTS["steps"],
-    batch_size: int = LONG_CONTEXT_DEFAULTS["batch_size"],
-    document_length: int = LONG_CONTEXT_DEFAULTS["document_length"],
-    passage_length: int = LONG_CONTEXT_DEFAULTS["passage_length"],
-    passages_per_document: int = LONG_CONTEXT_DEFAULTS["passages_per_document"],
-    short_batch_size: int = LONG_CONTEXT_DEFAULTS["short_batch_size"],
-    window: Optional[int] = LONG_CONTEXT_DEFAULTS["window"],
-    overlap: int = LONG_CONTEXT_DEFAULTS["overlap"],
-    contrastive_weight: float = LONG_CONTEXT_DEFAULTS["contrastive_weight"],
-    token_weight: float = LONG_CONTEXT_DEFAULTS["token_weight"],
-    temperature: float = LONG_CONTEXT_DEFAULTS["temperature"],
-    negatives: int = LONG_CONTEXT_DEFAULTS["negatives"],
-    learning_rate: float = LONG_CONTEXT_DEFAULTS["learning_rate"],
-    table_learning_rate: float = LONG_CONTEXT_DEFAULTS["table_learning_rate"],
-    train: str = LONG_CONTEXT_DEFAULTS["train"],
-    seed: int = LONG_CONTEXT_DEFAULTS["seed"],
-    eval_documents: int = 4,
-    show_progress: bool = True,
+    arguments: Optional[LongContextArguments] = None,
+    **options,
 ) -> LongContextReport:
     """Teach `student` (an NPRF conversion of `teacher`) to embed whole documents like `teacher`'s
     chunk-and-pool, and passages / short texts like `teacher` (module docstring). In place.
@@ -370,169 +542,52 @@ def long_context_distillation(
         tokenizer: the source's tokenizer.
         documents: unlabeled long texts (e.g. `read_long_text(path)`); random spans of their token stream
             are the training documents.
-        short_texts: short texts kept faithful (default: the documents' sentences, cut at 128 tokens).
-        steps, batch_size: optimisation steps, documents per step.
-        document_length, passage_length, passages_per_document: tokens per document and passage.
-        short_batch_size: short texts per step (0 = none).
-        window, overlap: the teacher's chunk-and-pool windows (content tokens; window None = all the teacher's
-            positions, 510 for BERT and RoBERTa).
-        contrastive_weight, temperature: weight and temperature of the passage -> document InfoNCE term.
-        negatives: size of the contrastive term's memory of earlier documents (0 = the batch's only).
-        token_weight: weight of the per-token term (0 = off; the teacher then runs only its pooled windows).
-        learning_rate: Adam's rate of the weights; table_learning_rate: of the RPE tables and logit scales
-            (both decayed to a tenth along a cosine).
-        train: which parameters train, one of `LONG_CONTEXT_TRAIN`; everything else stays bit-identical.
-        seed: the spans, passages and text order (deterministic for a seed on one device).
-        eval_documents: held-out spans (drawn first, with their own generator) for the before/after report.
+        arguments: a `LongContextArguments` (None: its defaults); `options`, its fields by name (`steps=100`, ...),
+            override it.
     Returns:
         A `LongContextReport`.
     """
-    from .transfer import _check_pair, _progress, adam_with_cosine_decay, shuffled_cycle
+    from .transfer import _check_pair, training_only
 
-    if train not in LONG_CONTEXT_TRAIN:
-        raise ValueError(f"train='{train}' is not supported; allowed: {', '.join(LONG_CONTEXT_TRAIN)}")
-    if (steps < 0 or batch_size < 1 or passage_length < 1 or passages_per_document < 1 or short_batch_size < 0
-            or negatives < 0):
-        raise ValueError("need steps >= 0, batch_size >= 1, passage_length >= 1, passages_per_document >= 1, "
-                         "short_batch_size >= 0, negatives >= 0")
-    if document_length <= passage_length:
-        raise ValueError(f"document_length={document_length} must exceed passage_length={passage_length}")
-    if not (learning_rate > 0 and table_learning_rate > 0 and temperature > 0 and contrastive_weight >= 0
-            and token_weight >= 0):
-        raise ValueError("learning rates and temperature must be > 0, contrastive_weight and token_weight >= 0")
+    arguments = dataclasses.replace(arguments or LongContextArguments(), **options)
+    arguments.check()
     _check_pair(student, teacher)
-    if window is None:
-        window = teacher_window(teacher, tokenizer)
-    _check_lengths(student, teacher, tokenizer, document_length, window)
-    if passage_length > window:
-        raise ValueError(f"passage_length={passage_length} exceeds the teacher's window={window}: lower it")
+    window = teacher_window(teacher, tokenizer) if arguments.window is None else arguments.window
+    _check_lengths(student, teacher, tokenizer, arguments.document_length, window)
+    if arguments.passage_length > window:
+        raise ValueError(f"passage_length={arguments.passage_length} exceeds the teacher's window={window}: lower it")
     documents = [d for d in documents if d.strip()]
     if not documents:
         raise ValueError("the long-context recipe needs at least one document of text")
     stream = token_stream(tokenizer, documents)
+    short_texts = arguments.short_texts
     if short_texts is None:
         short_texts = [s.strip() + " ." for d in documents for s in d.split(" . ") if len(s.split()) >= 5]
     short_texts = list(short_texts)
-    if short_batch_size and not short_texts:
+    if arguments.short_batch_size and not short_texts:
         raise ValueError("short_texts is empty: give short texts, or short_batch_size=0")
 
-    device = next(student.parameters()).device
-    teacher_was_training, student_was_training = teacher.training, student.training
-    teacher_device = next(teacher.parameters()).device
-    teacher.to(device).eval()
-    student.eval()  # no dropout, no projection redraw: the loss compares deterministic embeddings
-    trainable = long_context_trainable(student, train)
-    flags = {param: param.requires_grad for param in student.parameters()}
-    for param in student.parameters():
-        param.requires_grad_(False)
-    for _, param in trainable:
-        param.requires_grad_(True)
-
-    eval_generator = torch.Generator().manual_seed(seed + 1_000_003)
-    eval_docs = sample_documents(stream, eval_documents, document_length, eval_generator)
-    eval_passages = sample_passages(eval_docs, 2, passage_length, eval_generator)
-    eval_short = [short_texts[i] for i in torch.randperm(len(short_texts), generator=eval_generator)[:32].tolist()]
-    generator = torch.Generator().manual_seed(seed)
-    max_short = min(126, window)  # content tokens of a short text: at most a sentence, within the teacher's reach
-
-    def short_ids(texts):
-        return [tokenizer(t, add_special_tokens=False, truncation=True, max_length=max_short)["input_ids"]
-                for t in texts]
-
-    def teacher_targets(docs, passages, shorts, tokens=False):
-        with torch.no_grad():
-            # one pass over each document's windows gives both its pooled target and its tokens' targets
-            pooled, states = zip(*[_chunk_pass(teacher, tokenizer, ids, window, overlap, MAX_WINDOWS_PER_BATCH, tokens)
-                                   for ids in docs])
-            return (torch.stack(pooled),
-                    encode_token_ids(teacher, tokenizer, passages),
-                    encode_token_ids(teacher, tokenizer, shorts) if shorts else None,
-                    list(states) if tokens else None)
-
-    def token_cosine(student_tokens, teacher_tokens):
-        return torch.stack([F.cosine_similarity(s, t, dim=-1).mean() for s, t in zip(student_tokens, teacher_tokens)])
-
-    def evaluate():
-        shorts = short_ids(eval_short) if eval_short else []
-        target_docs, target_passages, target_short, target_tokens = teacher_targets(
-            eval_docs, eval_passages, shorts, tokens=True)
-        with torch.no_grad():
-            student_docs, student_tokens = zip(*[document_states(student, tokenizer, ids) for ids in eval_docs])
-            result = {
-                "document vs chunk-and-pool": float((torch.stack(student_docs) * target_docs).sum(-1).mean()),
-                "token vs its window": float(token_cosine(student_tokens, target_tokens).mean()),
-                "passage": float((encode_token_ids(student, tokenizer, eval_passages) * target_passages).sum(-1).mean()),
-            }
-            if shorts:
-                result["short text"] = float((encode_token_ids(student, tokenizer, shorts) * target_short).sum(-1).mean())
-        return result
-
-    use_contrastive = contrastive_weight > 0 and (batch_size > 1 or negatives > 0)
-    memory, memory_starts = None, ()  # the contrastive term's extra negatives, if any
+    trainable = long_context_trainable(student, arguments.train)
+    held_out = _held_out_set(stream, short_texts, arguments)
     history = []
-    start = time.perf_counter()
-    try:
-        if use_contrastive and negatives > 0:
-            # its own generator: the training spans stay those of a run without the memory
-            memory_starts = disjoint_span_starts(len(stream), negatives, document_length,
-                                                 torch.Generator().manual_seed(seed + 2_000_003))
-            with torch.no_grad():
-                memory = embed_documents(student, tokenizer, [stream[s : s + document_length] for s in memory_starts])
-        before = evaluate()
-        if steps > 0:
-            optimizer, schedule = adam_with_cosine_decay(trainable, steps, learning_rate, table_learning_rate)
-            take_short = shuffled_cycle(short_texts, generator)
-            progress = _progress(steps, show_progress, "long-context recipe")
-            for step in range(1, steps + 1):
-                doc_starts = _span_starts(stream, batch_size, document_length, generator)
-                docs = [list(stream[s : s + document_length]) for s in doc_starts]
-                passages = sample_passages(docs, passages_per_document, passage_length, generator)
-                shorts = short_ids(take_short(short_batch_size))
-                target_docs, target_passages, target_short, target_tokens = teacher_targets(
-                    docs, passages, shorts, tokens=token_weight > 0)
-                student_docs, student_tokens = zip(*[document_states(student, tokenizer, ids) for ids in docs])
-                student_docs = torch.stack(student_docs)
-                student_passages = encode_token_ids(student, tokenizer, passages)
-                parts = {
-                    "document": (1 - (student_docs * target_docs).sum(-1)).mean(),
-                    "passage": (1 - (student_passages * target_passages).sum(-1)).mean(),
-                }
-                if shorts:
-                    parts["short"] = (1 - (encode_token_ids(student, tokenizer, shorts) * target_short).sum(-1)).mean()
-                if token_weight > 0:
-                    parts["token"] = token_weight * (1 - token_cosine(student_tokens, target_tokens)).mean()
-                if use_contrastive:
-                    logits = contrastive_logits(student_passages, student_docs, temperature, memory, memory_starts,
-                                                doc_starts, document_length)
-                    labels = torch.arange(batch_size, device=device).repeat_interleave(passages_per_document)
-                    parts["contrastive"] = contrastive_weight * F.cross_entropy(logits, labels)
-                loss = sum(parts.values())
-                if not torch.isfinite(loss):
-                    raise ValueError(f"the long-context recipe diverged at step {step} (loss {float(loss)}): "
-                                     "lower the learning rates")
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                schedule.step()
-                if memory is not None:
-                    memory, memory_starts = push_memory(memory, memory_starts, student_docs, doc_starts)
-                history.append({"step": step, "loss": loss.item(), **{k: v.item() for k, v in parts.items()}})
-                progress.set_postfix(loss=f"{history[-1]['loss']:.4f}")
-                progress.update(1)
-            progress.close()
-        after = evaluate()
-    finally:
-        for param, flag in flags.items():
-            param.requires_grad_(flag)
-        student.train(student_was_training)
-        teacher.to(teacher_device).train(teacher_was_training)
+    # no dropout, no projection redraw: the loss compares deterministic embeddings
+    with training_only(student, trainable, teacher, next(student.parameters()).device):
+        matching = _DocumentMatching(student, teacher, tokenizer, stream, window, arguments)
+        start = time.perf_counter()
+        if arguments.contrastive and arguments.negatives > 0:
+            matching.fill_memory()
+        before = matching.evaluate(*held_out)
+        if arguments.steps > 0:
+            history = matching.train(trainable, short_texts, torch.Generator().manual_seed(arguments.seed))
+        after = matching.evaluate(*held_out)
     return LongContextReport(
-        steps=steps, seconds=time.perf_counter() - start, trainable=[name for name, _ in trainable],
+        steps=arguments.steps, seconds=time.perf_counter() - start, trainable=[name for name, _ in trainable],
         before=before, after=after, history=history,
     )
 
 
 __all__ = [
+    "LongContextArguments",
     "LongContextReport",
     "chunk_and_pool",
     "chunk_token_states",

@@ -21,6 +21,8 @@ too: a learned feature map, as Hedgehog learns its own, in place of the random d
 and every exact algorithm and the cache still apply; it is no longer an estimate of exp(s q_hat . k_hat)).
 """
 
+import contextlib
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -275,23 +277,194 @@ def _check_pair(student, teacher):
             )
 
 
+@dataclass
+class TransferArguments:
+    """The options of `attention_transfer` (defaults: `options.TRANSFER_DEFAULTS`).
+
+    steps, batch_size, max_length: optimisation steps, texts per step, tokens per text (truncated; padded per batch,
+        padded tokens never count).
+    learning_rate: Adam's rate of the projections, decayed to a tenth along a cosine.
+    table_learning_rate: Adam's rate of the RPE table(s) and logit scales (same schedule).
+    seed: the order of the texts (the run is deterministic for a seed on one device).
+    projection_learning_rate: Adam's rate of each layer's feature-map projection (same schedule); > 0 learns the
+        feature map (module docstring), 0 keeps the random draw bit-identical. Needs `feature_redraw_interval=0`
+        (a redraw in training would discard what was learned).
+    train_value_output: also train the value and output projections (off: they stay bit-identical).
+    eval_texts: texts for the before/after report (default: the last `eval_batches` batches of `texts`, held out
+        from training, or, with fewer than 5 such batches of texts, the first ones).
+    """
+
+    steps: int = TRANSFER_DEFAULTS["steps"]
+    batch_size: int = TRANSFER_DEFAULTS["batch_size"]
+    max_length: int = TRANSFER_DEFAULTS["max_length"]
+    learning_rate: float = TRANSFER_DEFAULTS["learning_rate"]
+    table_learning_rate: float = TRANSFER_DEFAULTS["table_learning_rate"]
+    seed: int = TRANSFER_DEFAULTS["seed"]
+    projection_learning_rate: float = TRANSFER_DEFAULTS["projection_learning_rate"]
+    train_value_output: bool = False
+    eval_texts: Optional[Sequence[Text]] = None
+    eval_batches: int = 4
+    show_progress: bool = True
+
+    def check(self, student):
+        """A ValueError naming what cannot run on `student`."""
+        if (self.steps < 0 or self.batch_size < 1 or self.max_length < 2 or not self.learning_rate > 0
+                or not self.table_learning_rate > 0 or not self.projection_learning_rate >= 0):
+            raise ValueError(
+                "need steps >= 0, batch_size >= 1, max_length >= 2, learning rates > 0 and projection_learning_rate "
+                f">= 0; got steps={self.steps}, batch_size={self.batch_size}, max_length={self.max_length}, "
+                f"learning_rate={self.learning_rate}, table_learning_rate={self.table_learning_rate}, "
+                f"projection_learning_rate={self.projection_learning_rate}"
+            )
+        if not self.projection_learning_rate > 0:
+            return
+        variant = getattr(student.config, "attention_variant", "nprf")
+        if variant not in PROJECTED_VARIANTS:
+            raise ValueError(
+                f"projection_learning_rate={self.projection_learning_rate} learns the feature map's projection, but "
+                f"attention_variant={variant!r} has none (those with one: {', '.join(PROJECTED_VARIANTS)}): "
+                "keep projection_learning_rate=0"
+            )
+        if getattr(student.config, "feature_redraw_interval", 0) > 0:
+            raise ValueError(
+                f"projection_learning_rate={self.projection_learning_rate} learns the feature map, but the student "
+                f"redraws its projection every {student.config.feature_redraw_interval} training steps "
+                "(feature_redraw_interval), which would discard it: convert with feature_redraw_interval=0 "
+                "(--feature-redraw-interval 0), or keep projection_learning_rate=0"
+            )
+
+    def split_texts(self, texts):
+        """(training texts, evaluation texts, whether those are held out from training)."""
+        span = self.batch_size * self.eval_batches
+        held_out = self.eval_texts is None and len(texts) >= 5 * span
+        if self.eval_texts is not None:
+            eval_pool = list(self.eval_texts)
+        elif held_out:  # the faithfulness a user sees is on text the transfer never trained on
+            eval_pool, texts = texts[-span:], texts[:-span]
+        else:
+            eval_pool = texts[:span]
+        if not eval_pool:
+            raise ValueError("eval_texts is empty: give texts for the before/after report, or leave it None")
+        return texts, eval_pool, held_out
+
+
+def _check_positions(config, max_length):
+    """max_length within the source's absolute positions (less RoBERTa's offset)."""
+    if getattr(config, "position_embedding_type", "absolute") == "absolute":
+        from .families import position_offset
+
+        offset = position_offset(config)
+        if max_length > config.max_position_embeddings - offset:
+            raise ValueError(
+                f"max_length={max_length} exceeds the source's {config.max_position_embeddings - offset} positions: "
+                "lower max_length"
+            )
+
+
+@contextlib.contextmanager
+def training_only(student, trainable, teacher=None, device=None):
+    """While active: `student` in eval mode (no dropout, no projection redraw) with only `trainable`'s
+    (name, tensor) pairs requiring gradients, and `teacher` in eval mode on `device`; all restored after."""
+    student_was_training = student.training
+    if teacher is not None:
+        teacher_was_training, teacher_device = teacher.training, next(teacher.parameters()).device
+        teacher.to(device).eval()
+    student.eval()
+    flags = {tensor: tensor.requires_grad for tensor in (*student.parameters(), *student.buffers())}
+    for param in student.parameters():
+        param.requires_grad_(False)
+    for _, param in trainable:
+        param.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for param, flag in flags.items():
+            param.requires_grad_(flag)
+        student.train(student_was_training)
+        if teacher is not None:
+            teacher.to(teacher_device).train(teacher_was_training)
+
+
+class _LayerMatching:
+    """The per-layer relative errors of `student`'s self-attention outputs against `teacher`'s softmax ones, on
+    the teacher's own layer inputs (recorded by hooks on the teacher's layers until `remove`)."""
+
+    def __init__(self, student, teacher, tokenizer, max_length, device):
+        self.student, self.teacher_base = student, teacher.base_model
+        self.tokenizer, self.max_length, self.device = tokenizer, max_length, device
+        self.student_encoder, self.student_layers = _layers(student)
+        self.student_layout = _layout(student)
+        self.recorder = _TeacherRecorder(_layers(teacher)[1], _layout(teacher))
+
+    def remove(self):
+        self.recorder.remove()
+
+    def encode(self, texts):
+        return _encode(self.tokenizer, texts, self.max_length, self.device)
+
+    def teacher_pass(self, batch):
+        """(mask [B, L] bool, the teacher's last hidden states [B, L, hidden]); records its layer inputs."""
+        with torch.no_grad():
+            teacher_output = self.teacher_base(**batch)
+        return batch["attention_mask"].bool(), teacher_output.last_hidden_state
+
+    def errors(self, batch, mask):
+        """[num_layers] relative errors of the batch the teacher last saw."""
+        from .modeling_nprf import term_inputs
+
+        inputs = term_inputs(self.student.config, batch["input_ids"], batch.get("token_type_ids"))
+        return _layer_errors(self.student_layers, self.student_encoder, self.recorder, mask, **inputs,
+                             layout=self.student_layout)
+
+    def evaluate(self, eval_sets):
+        """(per-layer mean errors, mean cosine of mean-pooled embeddings to the teacher's) over `eval_sets`."""
+        total, cosine, count = None, 0.0, 0
+        with torch.no_grad():
+            for chunk in eval_sets:
+                batch = self.encode(chunk)
+                mask, teacher_hidden = self.teacher_pass(batch)
+                errors = self.errors(batch, mask) * len(chunk)
+                total = errors if total is None else total + errors
+                student_hidden = self.student.base_model(**batch).last_hidden_state
+                cosine += float((mean_pool(student_hidden, mask) * mean_pool(teacher_hidden, mask)).sum())
+                count += len(chunk)
+        return [float(e) for e in total / count], cosine / count
+
+    def train(self, trainable, texts, arguments):
+        """`arguments.steps` Adam steps on the mean layer error; returns the history [(step, loss)]."""
+        history = []
+        optimizer, schedule = adam_with_cosine_decay(
+            trainable, arguments.steps, arguments.learning_rate, arguments.table_learning_rate,
+            arguments.projection_learning_rate,
+        )
+        take = shuffled_cycle(texts, torch.Generator().manual_seed(arguments.seed))
+        progress = _progress(arguments.steps, arguments.show_progress)
+        for step in range(1, arguments.steps + 1):
+            batch = self.encode(take(arguments.batch_size))
+            mask, _ = self.teacher_pass(batch)
+            loss = self.errors(batch, mask).mean()
+            if not torch.isfinite(loss):
+                raise ValueError(
+                    f"attention transfer diverged at step {step} (loss {float(loss)}): lower the learning rates"
+                )
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+            history.append((step, loss.item()))
+            progress.set_postfix(loss=f"{history[-1][1]:.4f}")
+            progress.update(1)
+        progress.close()
+        return history
+
+
 def attention_transfer(
     student,
     teacher,
     tokenizer,
     texts: Sequence[Text],
-    *,
-    steps: int = TRANSFER_DEFAULTS["steps"],
-    batch_size: int = TRANSFER_DEFAULTS["batch_size"],
-    max_length: int = TRANSFER_DEFAULTS["max_length"],
-    learning_rate: float = TRANSFER_DEFAULTS["learning_rate"],
-    table_learning_rate: float = TRANSFER_DEFAULTS["table_learning_rate"],
-    seed: int = TRANSFER_DEFAULTS["seed"],
-    projection_learning_rate: float = TRANSFER_DEFAULTS["projection_learning_rate"],
-    train_value_output: bool = False,
-    eval_texts: Optional[Sequence[Text]] = None,
-    eval_batches: int = 4,
-    show_progress: bool = True,
+    arguments: Optional[TransferArguments] = None,
+    **options,
 ) -> TransferReport:
     """Train `student`'s attention so that each layer's NPRF self-attention reproduces `teacher`'s
     softmax self-attention on the teacher's own layer inputs (module docstring). In place.
@@ -302,146 +475,37 @@ def attention_transfer(
         tokenizer: the source's tokenizer.
         texts: unlabeled texts, strings or (first, second) pairs (pairs are encoded as one input with
             token types, as a cross-encoder sees them). Cycled in a seeded random order.
-        steps, batch_size, max_length: optimisation steps, texts per step, tokens per text (truncated;
-            padded per batch, padded tokens never count).
-        learning_rate: Adam's rate of the projections, decayed to a tenth along a cosine.
-        table_learning_rate: Adam's rate of the RPE table(s) and logit scales (same schedule).
-        seed: the order of the texts (the run is deterministic for a seed on one device).
-        projection_learning_rate: Adam's rate of each layer's feature-map projection (same schedule); > 0 learns
-            the feature map (module docstring), 0 keeps the random draw bit-identical. Needs
-            `feature_redraw_interval=0` (a redraw in training would discard what was learned).
-        train_value_output: also train the value and output projections (off: they stay bit-identical).
-        eval_texts: texts for the before/after report (default: the last `eval_batches` batches of `texts`,
-            held out from training, or, with fewer than 5 such batches of texts, the first ones).
+        arguments: a `TransferArguments` (None: its defaults); `options`, its fields by name (`steps=100`, ...),
+            override it.
     Returns:
         A `TransferReport` (per-layer relative errors and cosine of mean-pooled embeddings to the source's,
         before and after; loss history; time).
     """
-    if (steps < 0 or batch_size < 1 or max_length < 2 or not learning_rate > 0 or not table_learning_rate > 0
-            or not projection_learning_rate >= 0):
-        raise ValueError(
-            f"need steps >= 0, batch_size >= 1, max_length >= 2, learning rates > 0 and projection_learning_rate >= 0;"
-            f" got steps={steps}, batch_size={batch_size}, max_length={max_length}, learning_rate={learning_rate}, "
-            f"table_learning_rate={table_learning_rate}, projection_learning_rate={projection_learning_rate}"
-        )
-    train_projection = projection_learning_rate > 0
-    variant = getattr(student.config, "attention_variant", "nprf")
-    if train_projection and variant not in PROJECTED_VARIANTS:
-        raise ValueError(
-            f"projection_learning_rate={projection_learning_rate} learns the feature map's projection, but "
-            f"attention_variant={variant!r} has none (those with one: {', '.join(PROJECTED_VARIANTS)}): "
-            "keep projection_learning_rate=0"
-        )
-    if train_projection and getattr(student.config, "feature_redraw_interval", 0) > 0:
-        raise ValueError(
-            f"projection_learning_rate={projection_learning_rate} learns the feature map, but the student redraws its "
-            f"projection every {student.config.feature_redraw_interval} training steps "
-            "(feature_redraw_interval), which would discard it: convert with feature_redraw_interval=0 "
-            "(--feature-redraw-interval 0), or keep projection_learning_rate=0"
-        )
+    arguments = dataclasses.replace(arguments or TransferArguments(), **options)
+    arguments.check(student)
     texts = list(texts)
     if not texts:
         raise ValueError("attention transfer needs at least one text")
     _check_pair(student, teacher)
-    held_out = eval_texts is None and len(texts) >= 5 * batch_size * eval_batches
-    if eval_texts is not None:
-        eval_pool = list(eval_texts)
-    elif held_out:  # the faithfulness a user sees is on text the transfer never trained on
-        eval_pool, texts = texts[-batch_size * eval_batches :], texts[: -batch_size * eval_batches]
-    else:
-        eval_pool = texts[: batch_size * eval_batches]
-    if not eval_pool:
-        raise ValueError("eval_texts is empty: give texts for the before/after report, or leave it None")
-    config = teacher.config
-    if getattr(config, "position_embedding_type", "absolute") == "absolute":
-        from .families import position_offset
-
-        offset = position_offset(config)
-        if max_length > config.max_position_embeddings - offset:
-            raise ValueError(
-                f"max_length={max_length} exceeds the source's {config.max_position_embeddings - offset} positions: "
-                "lower max_length"
-            )
+    texts, eval_pool, held_out = arguments.split_texts(texts)
+    _check_positions(teacher.config, arguments.max_length)
     device = next(student.parameters()).device
-    teacher_base = teacher.base_model
-    teacher_was_training, student_was_training = teacher_base.training, student.training
-    teacher_device = next(teacher_base.parameters()).device
-    teacher_base.to(device).eval()
-    student.eval()  # no dropout, no projection redraw
-    student_encoder, student_layers = _layers(student)
-    _, teacher_layers = _layers(teacher)
-    trainable = _trainable(student, train_value_output, train_projection)
-    flags = {tensor: tensor.requires_grad for tensor in (*student.parameters(), *student.buffers())}
-    for param in student.parameters():
-        param.requires_grad_(False)
-    for _, param in trainable:
-        param.requires_grad_(True)
-
-    generator = torch.Generator().manual_seed(seed)
+    trainable = _trainable(student, arguments.train_value_output, arguments.projection_learning_rate > 0)
+    batch_size = arguments.batch_size
     eval_sets = [eval_pool[i : i + batch_size] for i in range(0, len(eval_pool), batch_size)]
-    recorder = _TeacherRecorder(teacher_layers, _layout(teacher))
-    student_layout = _layout(student)
-
-    def teacher_pass(batch):
-        with torch.no_grad():
-            teacher_output = teacher_base(**batch)
-        return batch["attention_mask"].bool(), teacher_output.last_hidden_state
-
-    def student_errors(batch, mask):
-        from .modeling_nprf import term_inputs
-
-        inputs = term_inputs(student.config, batch["input_ids"], batch.get("token_type_ids"))
-        return _layer_errors(student_layers, student_encoder, recorder, mask, **inputs, layout=student_layout)
-
-    def evaluate():
-        total, cosine, count = None, 0.0, 0
-        with torch.no_grad():
-            for chunk in eval_sets:
-                batch = _encode(tokenizer, chunk, max_length, device)
-                mask, teacher_hidden = teacher_pass(batch)
-                errors = student_errors(batch, mask) * len(chunk)
-                total = errors if total is None else total + errors
-                student_hidden = student.base_model(**batch).last_hidden_state
-                cosine += float((mean_pool(student_hidden, mask) * mean_pool(teacher_hidden, mask)).sum())
-                count += len(chunk)
-        return [float(e) for e in total / count], cosine / count
-
     history = []
-    start = time.perf_counter()
-    try:
-        loss_before, cosine_before = evaluate()
-        if steps > 0:
-            optimizer, schedule = adam_with_cosine_decay(
-                trainable, steps, learning_rate, table_learning_rate, projection_learning_rate
-            )
-            take = shuffled_cycle(texts, generator)
-            progress = _progress(steps, show_progress)
-            for step in range(1, steps + 1):
-                chunk = take(batch_size)
-                batch = _encode(tokenizer, chunk, max_length, device)
-                mask, _ = teacher_pass(batch)
-                loss = student_errors(batch, mask).mean()
-                if not torch.isfinite(loss):
-                    raise ValueError(
-                        f"attention transfer diverged at step {step} (loss {float(loss)}): lower the learning rates"
-                    )
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                schedule.step()
-                history.append((step, loss.item()))
-                progress.set_postfix(loss=f"{history[-1][1]:.4f}")
-                progress.update(1)
-            progress.close()
-        loss_after, cosine_after = evaluate()
-    finally:
-        recorder.remove()
-        for param, flag in flags.items():
-            param.requires_grad_(flag)
-        student.train(student_was_training)
-        teacher_base.to(teacher_device).train(teacher_was_training)
+    with training_only(student, trainable, teacher.base_model, device):
+        matching = _LayerMatching(student, teacher, tokenizer, arguments.max_length, device)
+        start = time.perf_counter()
+        try:
+            loss_before, cosine_before = matching.evaluate(eval_sets)
+            if arguments.steps > 0:
+                history = matching.train(trainable, texts, arguments)
+            loss_after, cosine_after = matching.evaluate(eval_sets)
+        finally:
+            matching.remove()
     return TransferReport(
-        steps=steps,
+        steps=arguments.steps,
         seconds=time.perf_counter() - start,
         num_texts=len(texts),
         trainable=[name for name, _ in trainable],
@@ -455,7 +519,6 @@ def attention_transfer(
     )
 
 
-# The keyword defaults of `attention_transfer`, for the CLI and the GLUE scripts' options.
 def _progress(total, enabled, desc="attention transfer"):
     try:
         from tqdm.auto import tqdm
@@ -475,4 +538,4 @@ def _progress(total, enabled, desc="attention transfer"):
     return tqdm(total=total, desc=desc, disable=not enabled, leave=False)
 
 
-__all__ = ["TRANSFER_DEFAULTS", "TransferReport", "attention_transfer", "read_transfer_texts"]
+__all__ = ["TRANSFER_DEFAULTS", "TransferArguments", "TransferReport", "attention_transfer", "read_transfer_texts"]

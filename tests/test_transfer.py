@@ -318,19 +318,22 @@ def test_glue_recipes_build_valid_run_glue_commands(tmp_path):
 
 def test_options_are_declared_once_for_every_entry_point():
     """options.py declares each option of the transfer and the long-context recipe once (type, help, default); the
-    CLI and the GLUE scripts derive theirs from it, and every one is a keyword of the function it configures."""
-    import inspect
+    CLI and the GLUE scripts derive theirs from it, and every one is a field of the arguments of the function it
+    configures (`TransferArguments`, `LongContextArguments`: also its keywords)."""
+    import dataclasses
 
     from nprf_hf import options
     from nprf_hf.cli import build_parser
+    from nprf_hf.long_context import LongContextArguments
+    from nprf_hf.transfer import TransferArguments
 
-    for declared, defaults, function, prefix in (
-        (options.TRANSFER_OPTIONS, options.TRANSFER_DEFAULTS, nprf_hf.attention_transfer, "--attention-transfer-"),
-        (options.LONG_CONTEXT_OPTIONS, options.LONG_CONTEXT_DEFAULTS, nprf_hf.long_context_distillation, "--long-context-"),
+    for declared, defaults, arguments, prefix in (
+        (options.TRANSFER_OPTIONS, options.TRANSFER_DEFAULTS, TransferArguments, "--attention-transfer-"),
+        (options.LONG_CONTEXT_OPTIONS, options.LONG_CONTEXT_DEFAULTS, LongContextArguments, "--long-context-"),
     ):
         assert set(declared) == set(defaults)
-        parameters = inspect.signature(function).parameters
-        assert all(parameters[name].default == defaults[name] for name in declared)
+        fields = {field.name: field.default for field in dataclasses.fields(arguments)}
+        assert all(fields[name] == defaults[name] for name in declared)
         help_text = build_parser()._subparsers._group_actions[0].choices["convert"].format_help()
         assert all(prefix + name.replace("_", "-") in help_text for name in declared)
     assert set(options.GLUE_TRANSFER_OPTIONS) <= set(options.TRANSFER_OPTIONS)
