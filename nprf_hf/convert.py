@@ -12,6 +12,7 @@ Optionally the absolute position table is extended past its trained length by ti
 rows (RoBERTa's `padding_idx + 1` offset rows stay in place).
 """
 
+import dataclasses
 import logging
 import math
 import os
@@ -365,118 +366,172 @@ def with_transfer_recipe(config_overrides):
     return {**TRANSFER_RECIPE, **config_overrides}
 
 
-def _convert(
-    model_or_path,
-    tokenizer=None,
-    head: Optional[str] = None,
-    rpe_init: str = "zeros",
-    calibration_text: Optional[str] = None,
-    calibration_blocks: int = 32,
-    calibration_block_size: int = 128,
-    from_pretrained_kwargs: Optional[dict] = None,
-    transfer_texts: Optional[Sequence] = None,
-    transfer_options: Optional[dict] = None,
-    long_context_texts: Optional[Sequence] = None,
-    long_context_options: Optional[dict] = None,
-    device=None,
-    **config_overrides,
-):
-    if rpe_init not in RPE_INITS:
-        raise ValueError(f"rpe_init='{rpe_init}' is not supported; allowed: {', '.join(RPE_INITS)}")
-    if rpe_init == "calibrated" and calibration_text is None:
-        raise ValueError("rpe_init='calibrated' needs calibration_text (a plain text file)")
-    if rpe_init == "zeros" and calibration_text is not None:
-        raise ValueError("calibration_text is only used with rpe_init='calibrated'")
+def _take_fields(cls, keywords):
+    """The dataclass `cls` of its fields found among `convert_to_nprf`'s keywords (removed from `keywords`)."""
+    return cls(**{f.name: keywords.pop(f.name) for f in dataclasses.fields(cls) if f.name in keywords})
+
+
+@dataclass
+class RPEInit:
+    """How conversion starts the RPE table(s): "zeros", or "calibrated" from the source's attention on
+    `calibration_text` (a plain text file), run on `calibration_blocks` blocks of `calibration_block_size` tokens."""
+
+    rpe_init: str = "zeros"
+    calibration_text: Optional[str] = None
+    calibration_blocks: int = 32
+    calibration_block_size: int = 128
+
+    @classmethod
+    def take(cls, keywords):
+        return _take_fields(cls, keywords)
+
+    def check(self):
+        if self.rpe_init not in RPE_INITS:
+            raise ValueError(f"rpe_init='{self.rpe_init}' is not supported; allowed: {', '.join(RPE_INITS)}")
+        if self.rpe_init == "calibrated" and self.calibration_text is None:
+            raise ValueError("rpe_init='calibrated' needs calibration_text (a plain text file)")
+        if self.rpe_init == "zeros" and self.calibration_text is not None:
+            raise ValueError("calibration_text is only used with rpe_init='calibrated'")
+
+    def initialize(self, target, source, tokenizer):
+        """Fill `target`'s RPE table(s): zeros, or the source's calibrated biases (the layers' mean for a shared one)."""
+        config = target.config
+        if self.rpe_init == "calibrated":
+            biases = calibrate_rpe(
+                source,
+                tokenizer,
+                self.calibration_text,
+                num_buckets=config.rpe_num_buckets,
+                max_distance=config.rpe_max_distance,
+                block_size=self.calibration_block_size,
+                num_blocks=self.calibration_blocks,
+            )  # [L, H, nb]
+        with torch.no_grad():
+            for param, layer in _rpe_tables(target):
+                if self.rpe_init == "zeros":
+                    param.zero_()
+                    continue
+                bias = biases.mean(0) if layer is None else biases[layer]
+                param.copy_(bias.to(param.dtype))
+
+
+@dataclass
+class TrainingSteps:
+    """What trains a converted model after its conversion, in this order: attention transfer on `transfer_texts`
+    (`transfer.attention_transfer`, its options in `transfer_options`), then the long-context recipe on
+    `long_context_texts` (`long_context.long_context_distillation`, options in `long_context_options`: it starts
+    from attention that already imitates). `device`: where they train (default: where the source is)."""
+
+    transfer_texts: Optional[Sequence] = None
+    transfer_options: Optional[dict] = None
+    long_context_texts: Optional[Sequence] = None
+    long_context_options: Optional[dict] = None
+    device: Optional[Union[str, torch.device]] = None
+
+    @classmethod
+    def take(cls, keywords):
+        return _take_fields(cls, keywords)
+
+    @property
+    def trains(self):
+        return self.transfer_texts is not None or self.long_context_texts is not None
+
+    def check(self, tokenizer, architecture, changes_direction):
+        """Before converting: what these steps need of the conversion (`changes_direction`: an encoder made a
+        decoder, or the reverse)."""
+        if self.transfer_texts is not None and tokenizer is None:
+            raise ValueError("attention transfer needs the source tokenizer: pass tokenizer=")
+        if self.long_context_texts is not None and tokenizer is None:
+            raise ValueError("the long-context recipe needs the source tokenizer: pass tokenizer=")
+        if changes_direction and self.trains:
+            raise ValueError(
+                f"the source {architecture} attends in both directions and the converted decoder only to the left, "
+                "so attention transfer and the long-context recipe have no attention to copy: convert without them "
+                "and train the decoder as a language model"
+            )
+        if self.device is not None and not self.trains:
+            raise ValueError("device= sets where attention transfer and the long-context recipe train: pass "
+                             "transfer_texts or long_context_texts, or leave device out")
+
+    def run(self, target, source, tokenizer, report):
+        """Train `target` (the conversion of `source`) in place; the reports go into `report`."""
+        source_device = next(source.parameters()).device
+        moved = self.trains and self.device is not None
+        if moved:
+            source.to(self.device)
+            target.to(self.device)
+        try:
+            if self.transfer_texts is not None:
+                from .transfer import attention_transfer
+
+                report.transfer = attention_transfer(target, source, tokenizer, self.transfer_texts,
+                                                     **(self.transfer_options or {}))
+            if self.long_context_texts is not None:
+                from .long_context import long_context_distillation
+
+                report.long_context = long_context_distillation(
+                    target, source, tokenizer, self.long_context_texts, **(self.long_context_options or {})
+                )
+        finally:
+            if moved:  # the caller's source stays where it was; the result comes back as loaded
+                source.to(source_device)
+                target.to(source_device)
+
+
+def _convert(model_or_path, tokenizer=None, head=None, from_pretrained_kwargs=None, **keywords):
+    """(the NPRF model, the tokenizer, the `ConversionReport`) of `convert_to_nprf`'s keywords: the conversion,
+    then the training steps (`TrainingSteps`) it was given."""
+    rpe, training = RPEInit.take(keywords), TrainingSteps.take(keywords)
+    config_overrides = keywords  # what is left: NPRF config fields
+    rpe.check()
     if head is not None and head not in HEADS:
         raise ValueError(f"head='{head}' is not supported; allowed: {', '.join(HEADS)}")
 
     source, architecture, tokenizer = _load_source(model_or_path, tokenizer, **(from_pretrained_kwargs or {}))
     source_config = source.config
-    model_type = source_config.model_type
-    family = FAMILIES[model_type]
+    family = FAMILIES[source_config.model_type]
     if head is None:
         head = _head_from_architecture(architecture, family)
     elif head not in family.heads:
         raise ValueError(f"head='{head}' does not exist for {family.display_name}; allowed: {', '.join(family.heads)}")
-    if rpe_init == "calibrated" and config_overrides.get("relative_position_bias") is False:
+    if rpe.rpe_init == "calibrated" and config_overrides.get("relative_position_bias") is False:
         raise ValueError("rpe_init='calibrated' fills the relative position bias table: it needs relative_position_bias=True")
-    if rpe_init == "calibrated" and tokenizer is None:
+    if rpe.rpe_init == "calibrated" and tokenizer is None:
         raise ValueError("rpe_init='calibrated' needs the source tokenizer: pass tokenizer=")
-    if transfer_texts is not None and tokenizer is None:
-        raise ValueError("attention transfer needs the source tokenizer: pass tokenizer=")
-    if long_context_texts is not None and tokenizer is None:
-        raise ValueError("the long-context recipe needs the source tokenizer: pass tokenizer=")
-
     if head == "causal-lm" and not getattr(source_config, "is_decoder", False):
         # an encoder converted to a causal-LM head only generates as a decoder (causal attention, a cache)
         config_overrides.setdefault("is_decoder", True)
     source_is_decoder = bool(getattr(source_config, "is_decoder", False))
-    if config_overrides.get("is_decoder", source_is_decoder) != source_is_decoder and (
-        transfer_texts is not None or long_context_texts is not None
-    ):
-        raise ValueError(
-            f"the source {architecture} attends in both directions and the converted decoder only to the left, so "
-            "attention transfer and the long-context recipe have no attention to copy: convert without them and "
-            "train the decoder as a language model"
-        )
-    if transfer_texts is not None:
+    training.check(tokenizer, architecture, config_overrides.get("is_decoder", source_is_decoder) != source_is_decoder)
+    if training.transfer_texts is not None:
         config_overrides = with_transfer_recipe(config_overrides)
-    config = build_nprf_config(source_config, **config_overrides)
-    from .modeling_nprf import NPRF_MODEL_CLASSES
 
-    target_class = NPRF_MODEL_CLASSES[model_type][head]
-    target = target_class(config).eval()
-    report = ConversionReport(model_type, architecture, target_class.__name__, rpe_init=rpe_init)
-    report.encoder_to_decoder = bool(getattr(config, "is_decoder", False)) and not source_is_decoder
-    loaded = _copy_source_tensors(source, target, architecture, family, head, report)
-    _mark_tied_and_untrained_head(report, target, loaded, family.class_name(head, nprf=False))
-    if rpe_init == "calibrated":
-        biases = calibrate_rpe(
-            source,
-            tokenizer,
-            calibration_text,
-            num_buckets=config.rpe_num_buckets,
-            max_distance=config.rpe_max_distance,
-            block_size=calibration_block_size,
-            num_blocks=calibration_blocks,
-        )  # [L, H, nb]
-    with torch.no_grad():
-        for param, layer in _rpe_tables(target):
-            if rpe_init == "zeros":
-                param.zero_()
-                continue
-            bias = biases.mean(0) if layer is None else biases[layer]
-            param.copy_(bias.to(param.dtype))
-
-    training = transfer_texts is not None or long_context_texts is not None
-    if device is not None and not training:
-        raise ValueError("device= sets where attention transfer and the long-context recipe train: pass "
-                         "transfer_texts or long_context_texts, or leave device out")
-    source_device = next(source.parameters()).device
-    if training and device is not None:
-        source.to(device)
-        target.to(device)
-    try:
-        if transfer_texts is not None:
-            from .transfer import attention_transfer
-
-            report.transfer = attention_transfer(target, source, tokenizer, transfer_texts, **(transfer_options or {}))
-        if long_context_texts is not None:  # after the transfer: it starts from attention that already imitates
-            from .long_context import long_context_distillation
-
-            report.long_context = long_context_distillation(
-                target, source, tokenizer, long_context_texts, **(long_context_options or {})
-            )
-    finally:
-        if training and device is not None:  # the caller's source stays where it was; the result comes back as loaded
-            source.to(source_device)
-            target.to(source_device)
-
+    target, report = _build_target(source, architecture, head, rpe.rpe_init, config_overrides)
+    rpe.initialize(target, source, tokenizer)
+    training.run(target, source, tokenizer, report)
+    config = target.config
     if config.position_embedding_type != "none":
         report.max_input_length = config.max_position_embeddings - position_offset(config)
     if tokenizer is not None and "max_position_embeddings" in config_overrides:
         tokenizer.model_max_length = config.max_position_embeddings - position_offset(config)
     return target, tokenizer, report
+
+
+def _build_target(source, architecture, head, rpe_init, config_overrides):
+    """(the NPRF model of `head` holding every tensor of `source`, in eval mode; its `ConversionReport`)."""
+    from .modeling_nprf import NPRF_MODEL_CLASSES
+
+    source_config = source.config
+    family = FAMILIES[source_config.model_type]
+    config = build_nprf_config(source_config, **config_overrides)
+    target_class = NPRF_MODEL_CLASSES[source_config.model_type][head]
+    target = target_class(config).eval()
+    report = ConversionReport(source_config.model_type, architecture, target_class.__name__, rpe_init=rpe_init)
+    source_is_decoder = bool(getattr(source_config, "is_decoder", False))
+    report.encoder_to_decoder = bool(getattr(config, "is_decoder", False)) and not source_is_decoder
+    loaded = _copy_source_tensors(source, target, architecture, family, head, report)
+    _mark_tied_and_untrained_head(report, target, loaded, family.class_name(head, nprf=False))
+    return target, report
 
 
 def _copy_source_tensors(source, target, architecture, family, head, report):
@@ -588,11 +643,6 @@ def convert_to_nprf(
     calibration_block_size: int = 128,
     return_report: bool = False,
     from_pretrained_kwargs: Optional[dict] = None,
-    transfer_texts: Optional[Sequence] = None,
-    transfer_options: Optional[dict] = None,
-    long_context_texts: Optional[Sequence] = None,
-    long_context_options: Optional[dict] = None,
-    device=None,
     **config_overrides,
 ):
     """Convert a model of a supported family (in memory, local directory or Hub id) into its NPRF counterpart.
@@ -609,23 +659,19 @@ def convert_to_nprf(
     loaded from the path, or passed as `tokenizer=` with an in-memory model); calibration runs the
     source on `calibration_blocks` blocks of `calibration_block_size` tokens.
     from_pretrained_kwargs: passed when loading from a path (revision, trust_remote_code, ...).
-    transfer_texts: texts (strings or sentence pairs, e.g. from `read_transfer_texts`) for attention
-    transfer right after the conversion (`nprf_hf.attention_transfer`, options in `transfer_options`);
-    None = no transfer.
-    long_context_texts: long unlabeled documents (e.g. from `read_long_text`) for the long-context recipe
-    (`nprf_hf.long_context_distillation`, options in `long_context_options`), run after the transfer: the
-    model learns to embed a whole document like the source's chunk-and-pool. None = not run.
-    device: where the transfer and the recipe train (e.g. "cuda"; default: where the source is); the model is
-    returned on the source's device.
+    Training after the conversion is a separate step (`attention_transfer`, `long_context_distillation` on the
+    returned model, as the GLUE scripts do); for compatibility `config_overrides` also takes the fields of
+    `TrainingSteps`, run right after the conversion: transfer_texts (strings or sentence pairs, e.g. from
+    `read_transfer_texts`) with transfer_options, long_context_texts (long documents, e.g. from `read_long_text`:
+    the model learns to embed a whole document like the source's chunk-and-pool) with long_context_options, and
+    device (where they train; the model is returned on the source's device).
     Returns the NPRF model in eval mode (and a `ConversionReport` if `return_report`). To save it with its
     tokenizer (for `pipeline`, `AutoTokenizer`, sentence-transformers), use `convert_checkpoint(src, out_dir)`.
     """
     model, _, report = _convert(
-        model_or_path, tokenizer=tokenizer, head=head, rpe_init=rpe_init, calibration_text=calibration_text,
-        calibration_blocks=calibration_blocks, calibration_block_size=calibration_block_size,
-        from_pretrained_kwargs=from_pretrained_kwargs, transfer_texts=transfer_texts,
-        transfer_options=transfer_options, long_context_texts=long_context_texts,
-        long_context_options=long_context_options, device=device, **config_overrides,
+        model_or_path, tokenizer=tokenizer, head=head, from_pretrained_kwargs=from_pretrained_kwargs,
+        rpe_init=rpe_init, calibration_text=calibration_text, calibration_blocks=calibration_blocks,
+        calibration_block_size=calibration_block_size, **config_overrides,
     )
     logger.info(report.format())
     return (model, report) if return_report else model
