@@ -46,24 +46,8 @@ def _add_recipe_options(group, prefix, declared, defaults, metavar, text_help, c
         )
 
 
-def add_convert_parser(subparsers):
-    parser = subparsers.add_parser(
-        "convert",
-        allow_abbrev=False,
-        help="convert a checkpoint (" + ", ".join(f.display_name for f in FAMILIES.values()) + ") to NPRF attention",
-        description=(
-            "Convert a " + ", ".join(f.display_name for f in FAMILIES.values()) + " checkpoint (local dir or Hub id, "
-            "any head) to the matching NPRF model. "
-            "Every source tensor is copied bit-identically; the new tensors (RPE table, random projections) "
-            "are listed. The output is saved with safetensors and remote code, plus the tokenizer, a sentence-transformers "
-            "model's files (pooling, max_seq_length) and conversion_report.json."
-        ),
-    )
-    parser.add_argument("src", help="local directory or Hub id of a softmax checkpoint of a supported family")
-    parser.add_argument(
-        "out", help="output directory: new or empty (written in a temporary sibling folder, moved into place at the end)"
-    )
-    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT (never allowed: OUT = SRC)")
+def _add_nprf_options(parser):
+    """`convert`'s NPRF config fields, position table and RPE table start."""
     nprf = parser.add_argument_group(
         "NPRF settings", "config fields of the NPRF model (nprf_hf.configuration_nprf.NPRF_FIELDS); default: the field's"
     )
@@ -97,6 +81,10 @@ def add_convert_parser(subparsers):
         "--calibration-block-size", type=int, default=128, metavar="N",
         help="tokens per calibration block (default: %(default)s)",
     )
+
+
+def _add_training_options(parser):
+    """`convert`'s training after the conversion: attention transfer, then the long-context recipe."""
     _add_recipe_options(
         parser.add_argument_group("attention transfer", "after converting, train the NPRF attention (query/key "
                                   "projections, RPE table, logit scales; the feature map's projection too with "
@@ -114,6 +102,28 @@ def add_convert_parser(subparsers):
         "documents (WikiText: split at its article titles; else at blank lines); omitted = no recipe",
         choices={"train": options.LONG_CONTEXT_TRAIN},
     )
+
+
+def add_convert_parser(subparsers):
+    parser = subparsers.add_parser(
+        "convert",
+        allow_abbrev=False,
+        help="convert a checkpoint (" + ", ".join(f.display_name for f in FAMILIES.values()) + ") to NPRF attention",
+        description=(
+            "Convert a " + ", ".join(f.display_name for f in FAMILIES.values()) + " checkpoint (local dir or Hub id, "
+            "any head) to the matching NPRF model. "
+            "Every source tensor is copied bit-identically; the new tensors (RPE table, random projections) "
+            "are listed. The output is saved with safetensors and remote code, plus the tokenizer, a sentence-transformers "
+            "model's files (pooling, max_seq_length) and conversion_report.json."
+        ),
+    )
+    parser.add_argument("src", help="local directory or Hub id of a softmax checkpoint of a supported family")
+    parser.add_argument(
+        "out", help="output directory: new or empty (written in a temporary sibling folder, moved into place at the end)"
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT (never allowed: OUT = SRC)")
+    _add_nprf_options(parser)
+    _add_training_options(parser)
     heads_help = "; ".join(
         f"{head} ({', '.join(f.display_name for f in FAMILIES.values() if head in f.heads)})"
         for head in HEADS if not all(head in f.heads for f in FAMILIES.values())

@@ -365,6 +365,20 @@ def _untrained_head_limit(model_dir):
     )
 
 
+def _results_and_task(model_dir, config, eval_results, task_name):
+    """(the evaluation results, the task name) of a card: `eval_results` (None: the folder's eval_results.json if
+    there is one; False: none), and the task given, else the results', else the config's finetuning_task."""
+    if eval_results is None:
+        default = os.path.join(model_dir, "eval_results.json")
+        eval_results = default if os.path.isfile(default) else False
+    results = load_eval_results(eval_results) if eval_results is not False else {}
+    if task_name is None:
+        task_name = results.get("task_name") if isinstance(results.get("task_name"), str) else None
+    if task_name is None:
+        task_name = config.get("finetuning_task")
+    return results, task_name
+
+
 def build_model_card(
     model_dir,
     eval_results=None,
@@ -387,14 +401,7 @@ def build_model_card(
     architecture, pipeline_tag, auto_class = pipeline_for(config)
     if base_model is not None and not HUB_ID.fullmatch(base_model):
         raise ValueError(f"base_model must be a Hub model id such as 'google-bert/bert-base-uncased', got {base_model!r}")
-    if eval_results is None:
-        default = os.path.join(model_dir, "eval_results.json")
-        eval_results = default if os.path.isfile(default) else False
-    results = load_eval_results(eval_results) if eval_results is not False else {}
-    if task_name is None:
-        task_name = results.get("task_name") if isinstance(results.get("task_name"), str) else None
-    if task_name is None:
-        task_name = config.get("finetuning_task")
+    results, task_name = _results_and_task(model_dir, config, eval_results, task_name)
     glue_task = _glue_task(task_name)
     datasets = _as_list(datasets) or ([GLUE_DATASET] if glue_task is not None else [])
     model_name = model_name or os.path.basename(os.path.normpath(model_dir))
@@ -423,8 +430,7 @@ def build_model_card(
         eval_results=entries or None,
     )
     if base_model is not None:
-        provenance = f"Converted from [`{base_model}`](https://huggingface.co/{base_model}) with `nprf-hf convert`"
-        provenance += "."
+        provenance = f"Converted from [`{base_model}`](https://huggingface.co/{base_model}) with `nprf-hf convert`."
     else:
         provenance = f"Converted from a {family} checkpoint with `nprf-hf convert`."
     settings = "\n".join(f"| `{field}` | `{config[field]}` |" for field in _setting_fields() if field in config)
