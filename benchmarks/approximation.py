@@ -24,7 +24,6 @@ nprf_attention_weights). Computed in float64; runs in well under a minute on 2 C
 """
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -32,9 +31,8 @@ import time
 
 import torch
 
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from nprf_hf.functional import draw_projection, nprf_attention_weights, positive_random_features  # noqa: E402
+from nprf_hf.benchmarking import write_json
+from nprf_hf.functional import draw_projection, nprf_attention_weights, positive_random_features
 
 
 # a scratch folder (git-ignored): a trial run must not overwrite the README's committed plot; --output publishes
@@ -220,9 +218,7 @@ def main(argv=None):
     for r in sharp:
         print(f"{r['beta']:5g}  {r['nprf']['previous_token_weight']:16.3f}  {r['exact']['previous_token_weight']:17.3f}"
               f"  {r['nprf']['max_weight']:8.3f}  {r['nprf']['entropy']:12.3f}  {r['exact']['entropy']:13.3f}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output + ".json", "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(args.output + ".json", result)
     if not args.no_plot:
         plot(result, args.output + ".png")
     print(f"runtime {result['runtime_s']:.1f} s; wrote {args.output}.json" + ("" if args.no_plot else f" and {args.output}.png"))

@@ -23,79 +23,28 @@ the memory allocated before the call.
 import argparse
 import json
 import os
-import platform
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 import torch
 import torch.nn.functional as F
 
 from nprf_hf import functional as Fn
 from nprf_hf import nprf_banded, nprf_fft
+from nprf_hf.benchmarking import (DTYPE_NAMES, add_busy_cores_argument, attention_inputs, busy_over_quiet,
+                                  competing_load, device_name, median_time, parse_busy_cores, peak_memory, torch_dtype,
+                                  write_json)
 from nprf_hf.options import RECOMPUTE_MODES
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from busy_load import add_busy_cores_argument, busy_over_quiet, competing_load, parse_busy_cores  # noqa: E402
-from long_sequence import DTYPES, synchronize  # noqa: E402  (the benchmarks' one list of dtypes)
 
 
 ALGORITHMS = ("dense", "fft", "banded", "auto")
 
 
-def rss_bytes():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def reset_peak(device):
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        return torch.cuda.memory_allocated()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return rss_bytes()
-
-
-def read_peak(device, start):
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated() - start
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024 - start
-    return float("nan")
-
-
-def measure_time(fn, device, min_time=1.0, max_repeats=5):
-    """Median wall time of fn() after one warm-up call."""
-    fn()
-    synchronize(device)
-    times = []
-    while len(times) < max_repeats and (len(times) < 2 or sum(times) < min_time):
-        tic = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - tic)
-        if times[0] > 10 * min_time:
-            break
-    return statistics.median(times)
-
-
-def measure_peak(fn, device):
-    """Peak memory of one call of fn() above what was in use before it."""
-    start = reset_peak(device)
-    fn()
-    synchronize(device)
-    return read_peak(device, start)
-
-
 def matmul_gflops(device, size=2048, dtype=torch.float32):
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
-    seconds = measure_time(lambda: a @ b, device)
+    seconds = median_time(lambda: a @ b, device, min_time=1.0)
     return 2 * size**3 / seconds / 1e9
 
 
@@ -107,14 +56,6 @@ def banded_flops(batch, heads, n, d, m, band_width=91):
     e = d + 1
     per_chunk = 2 * chunk * (window * m + window * e + 2 * m * e + 2 * m * d)
     return batch * heads * chunks * per_chunk
-
-
-def make_inputs(batch, heads, n, d, m, device, requires_grad, dtype=torch.float32):
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(batch, heads, n, d, device=device, dtype=dtype, requires_grad=requires_grad) for _ in range(3))
-    table = torch.randn(heads, 32, device=device, dtype=dtype, requires_grad=requires_grad)
-    projection = Fn.draw_projection(m, d, "orf", num_heads=heads, device=device).to(dtype)
-    return q, k, v, table, projection
 
 
 def nprf_step(algorithm, inputs, n, backward, recompute=None, attention=Fn.nprf_attention):
@@ -174,7 +115,7 @@ def main(argv=None):
                         "products in backward instead of keeping them, never keeps them (default: %(default)s)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:0, ...) (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default: %(default)s)")
-    parser.add_argument("--dtype", default="float32", choices=list(DTYPES),
+    parser.add_argument("--dtype", default="float32", choices=DTYPE_NAMES,
                         help="q, k, v, the RPE table and the projection in this dtype (default: %(default)s)")
     parser.add_argument("--compile", action="store_true", help="torch.compile SDPA and nprf_attention (default: eager)")
     parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS,
@@ -196,7 +137,7 @@ def main(argv=None):
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    dtype = DTYPES[args.dtype]
+    dtype = torch_dtype(args.dtype)
     algorithms = tuple(a for a in ALGORITHMS if a in args.algorithms)
     b, h, d, m = args.batch, args.heads, args.head_dim, args.features
     sdpa, nprf = F.scaled_dot_product_attention, Fn.nprf_attention
@@ -206,7 +147,7 @@ def main(argv=None):
         torch._dynamo.config.cache_size_limit = 1024
         sdpa, nprf = torch.compile(sdpa), torch.compile(nprf)
     machine = {
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or platform.machine(),
+        "device": device_name(device),
         "threads": args.threads,
         "torch": torch.__version__,
         "dtype": args.dtype,
@@ -221,7 +162,7 @@ def main(argv=None):
 
     def points(n, backward):
         """(inputs, {name: step}) for one row; the grad context must be entered by the caller."""
-        inputs = make_inputs(b, h, n, d, m, device, backward, dtype)
+        inputs = attention_inputs(b, h, n, d, m, device, backward, dtype)
         steps = {"sdpa": sdpa_step(inputs, backward, sdpa)}
         for name in algorithms:
             if fits(name, b, h, n, backward, args.memory_budget_gb * 2**30):
@@ -239,12 +180,11 @@ def main(argv=None):
                     inputs, steps = points(n, backward)
                     for name, step in steps.items():
                         if name != "fft_floor":
-                            peak[name] = measure_peak(step, device)
+                            peak[name] = peak_memory(step, device)
                             for t in inputs:
                                 t.grad = None
                 peaks.append(peak)
-        with open(args.output, "w") as f:
-            json.dump(peaks, f)
+        write_json(args.output, peaks, indent=None)
         return
 
     rows = []
@@ -254,7 +194,7 @@ def main(argv=None):
             with torch.enable_grad() if backward else torch.inference_mode():
                 inputs, steps = points(n, backward)
                 for name, step in steps.items():
-                    row["seconds"][name] = measure_time(step, device, args.min_time)
+                    row["seconds"][name] = median_time(step, device, min_time=args.min_time)
                     for t in inputs:
                         t.grad = None
             if not backward and "banded" in row["seconds"]:
@@ -275,7 +215,7 @@ def main(argv=None):
                     inputs, steps = points(row["n"], row["pass"] == "fwd+bwd")
                     for name, step in steps.items():
                         if name != "fft_floor":
-                            row["busy_seconds"][name] = measure_time(step, device, args.min_time)
+                            row["busy_seconds"][name] = median_time(step, device, min_time=args.min_time)
                         for t in inputs:
                             t.grad = None
                 slowdown = busy_over_quiet(row["seconds"], row["busy_seconds"])
@@ -303,9 +243,7 @@ def main(argv=None):
     summary = summarize(rows, machine)
     for line in summary["lines"]:
         print(line)
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output, "w") as f:
-        json.dump({"config": vars(args), "machine": machine, "rows": rows, "summary": summary}, f, indent=1)
+    write_json(args.output, {"config": vars(args), "machine": machine, "rows": rows, "summary": summary})
     print(f"wrote {args.output}")
 
 

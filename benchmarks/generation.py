@@ -37,7 +37,7 @@ The full run (see the README for its run time):
 
 `--busy-cores CORE...` (issue 45): in the same process, right after a point's quiet decode, the prompt is prefilled
 into a fresh cache and decoded again (the same tokens, the same contexts) with one spinning process on each named
-core (`busy_load.competing_load`): each result gains its busy prefill and time per token and their busy / quiet,
+core (`benchmarking.competing_load`): each result gains its busy prefill and time per token and their busy / quiet,
 the ratios NPRF's busy / quiet per token over softmax's, and a busy table is printed:
 
     python benchmarks/generation.py --contexts 512 8192 --new-tokens 64 --threads 2 --busy-cores 0 \
@@ -51,7 +51,6 @@ On a CUDA GPU in bfloat16:
 
 import argparse
 import contextlib
-import json
 import multiprocessing
 import os
 import statistics
@@ -61,11 +60,9 @@ import traceback
 
 import torch
 
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from long_sequence import DTYPES, PeakMemory, machine_description, synchronize  # noqa: E402
-from busy_load import add_busy_cores_argument, busy_comparison, busy_line, competing_load, parse_busy_cores  # noqa: E402
+from nprf_hf.benchmarking import (DTYPE_NAMES, PeakMemory, add_busy_cores_argument, busy_comparison, busy_line,
+                                  competing_load, machine_description, parse_busy_cores, timed, torch_dtype,
+                                  write_json)
 
 
 VARIANTS = ("nprf", "softmax", "nprf_kv", "nprf_static", "nprf_compiled")
@@ -101,7 +98,7 @@ def build_model(variant, args, max_length):
         model = RobertaForCausalLM(config)
         if model.config._attn_implementation != "sdpa":
             raise RuntimeError("RobertaForCausalLM did not keep attn_implementation='sdpa'")
-    return model.eval().to(device=args.device, dtype=DTYPES[args.dtype])
+    return model.eval().to(device=args.device, dtype=torch_dtype(args.dtype))
 
 
 def new_cache(variant, model):
@@ -132,28 +129,25 @@ def decode(variant, model, step, prompt, args, memory=None):
     tokens (the timed ones inside `memory`, a context manager) -> (prefill s, warm-up s, per-token s, cache)."""
     device = prompt.device
     cache = new_cache(variant, model)
-    with torch.inference_mode():
-        synchronize(device)
-        start = time.perf_counter()
-        out = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)  # as generate(): last logits only
-        token = out.logits[:, -1:].argmax(-1)
-        synchronize(device)
-        prefill = time.perf_counter() - start
-        del out
-        synchronize(device)
-        start = time.perf_counter()
+
+    def next_token(token):
+        return step(token, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
+
+    def warm_up(token):
         for _ in range(args.warmup_tokens):  # untimed: first calls pay one-off costs (the compile, if any)
-            token = step(token, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
-        synchronize(device)
-        warmup = time.perf_counter() - start
+            token = next_token(token)
+        return token
+
+    with torch.inference_mode():
+        # as generate(): the prompt's last logits only
+        prefill, token = timed(lambda: model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                               .logits[:, -1:].argmax(-1), device)
+        warmup, token = timed(lambda: warm_up(token), device)
         times = []
         with memory or contextlib.nullcontext():
             for _ in range(args.new_tokens):
-                synchronize(device)
-                start = time.perf_counter()
-                token = step(token, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
-                synchronize(device)
-                times.append(time.perf_counter() - start)
+                seconds, token = timed(lambda: next_token(token), device)
+                times.append(seconds)
     return prefill, warmup, times, cache
 
 
@@ -305,7 +299,7 @@ def summary_table(results, variants, contexts):
 
 
 def busy_comparisons(results, contexts):
-    """{context: busy_load.busy_comparison of the time per token of every variant timed busy, against softmax}."""
+    """{context: benchmarking.busy_comparison of the time per token of every variant timed busy, against softmax}."""
     out = {}
     for context in contexts:
         timed = [r for r in results if r["context"] == context and r["status"] == "ok" and "busy_over_quiet" in r]
@@ -375,7 +369,7 @@ def parse_args(argv=None):
     parser.add_argument("--algorithm", default="auto", help="NPRF attention_algorithm of the prefill")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend of nprf_compiled")
     parser.add_argument("--compile-mode", default=None, help="torch.compile mode of nprf_compiled (e.g. reduce-overhead)")
-    parser.add_argument("--dtype", default="float32", choices=tuple(DTYPES),
+    parser.add_argument("--dtype", default="float32", choices=DTYPE_NAMES,
                         help="every variant's parameters and compute (model.to(dtype)) (default: %(default)s)")
     parser.add_argument("--time-cap", type=float, default=1800.0, help="seconds per (variant, context) point")
     parser.add_argument("--isolation", default="process", choices=("process", "none"))
@@ -421,7 +415,7 @@ def main(argv=None):
         "args": dict(vars(args)),
         "variants": args.variants,
         "dtype": args.dtype,
-        "machine": machine_description(args),
+        "machine": machine_description(args.device, args.threads),
         "memory_method": next((r["memory_method"] for r in results if r.get("memory_method")), None),
         "total_runtime_s": round(time.perf_counter() - started, 1),
     }
@@ -435,10 +429,8 @@ def main(argv=None):
     for name, value in summary.items():
         print(f"{name}: {value:.2f}")
     print(f"total runtime {meta['total_runtime_s']:.0f} s; command: {meta['command']}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output, "w") as f:
-        json.dump({"meta": meta, "results": results, "ratios": summary, "table": table,
-                   **({"busy": busy} if busy else {})}, f, indent=1)
+    write_json(args.output, {"meta": meta, "results": results, "ratios": summary, "table": table,
+                             **({"busy": busy} if busy else {})})
     if args.plot:
         os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
         plot(results, meta, args.plot)

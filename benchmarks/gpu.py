@@ -27,17 +27,15 @@ device named) and a plot:
 """
 
 import argparse
-import json
 import os
-import platform
-import statistics
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the clone's nprf_hf, uninstalled
+# the clone's nprf_hf: installed (`pip install -e .`), or on PYTHONPATH as benchmarks/gpu.sh puts it
+from nprf_hf.benchmarking import device_name, median_time, peak_memory, synchronize, timed, write_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUTPUT = os.path.join(HERE, "results", "gpu_cuda_bf16.json")
@@ -67,34 +65,10 @@ TINY = dict(lengths=(40, 72), heads=2, head_dim=16, features=16, model_points=((
             check_batch=2, check_dtypes=("float32", "bfloat16", "tf32"), graphed=False)
 
 
-def synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median_time(fn, device, repeats):
-    """Median seconds of `fn()` over `repeats` calls after one untimed warm-up (which compiles the kernels)."""
-    fn()
-    synchronize(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def peak_bytes(fn, device):
-    """Peak allocated bytes of one call above what was allocated before it (CUDA only; None on the CPU)."""
-    if device.type != "cuda":
-        return None
-    synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    fn()
-    synchronize(device)
-    return torch.cuda.max_memory_allocated(device) - before
+    """Peak allocated bytes of one call above what was allocated before it on CUDA; None on the CPU, where the
+    --tiny run's resident set under Triton's interpreter would say nothing about the kernels."""
+    return peak_memory(fn, device) if device.type == "cuda" else None
 
 
 def graphed_time(fn, device, repeats):
@@ -416,10 +390,8 @@ def compiled_part(s, device, dtype, log):
             try:
                 for mode, fn in (("train", train_step), ("forward", forward)):
                     breaks = sum(counters["graph_break"].values())
-                    begin = time.perf_counter()
-                    fn()  # compiles (under CUDA graphs: a warm-up run; the next call, median_time's, records)
-                    synchronize(device)
-                    row[f"{name}_{mode}_compile_s"] = time.perf_counter() - begin
+                    # compiles (under CUDA graphs: a warm-up run; the next call, median_time's, records)
+                    row[f"{name}_{mode}_compile_s"] = timed(fn, device)[0]
                     row[f"{name}_{mode}_graph_breaks"] = sum(counters["graph_break"].values()) - breaks
                     row[f"{name}_{mode}_s"] = median_time(fn, device, s["repeats"])
             except Exception as error:  # noqa: BLE001  (one device call: keep the other model's numbers)
@@ -460,12 +432,14 @@ def decode_part(s, device, dtype, log):
                     out = model(input_ids=ids, past_key_values=cache, use_cache=True)
                     token = out.logits[:, -1:].argmax(-1)
                     model(input_ids=token, past_key_values=cache, use_cache=True)  # warm-up step
-                    synchronize(device)
-                    start = time.perf_counter()
-                    for _ in range(s["decode_steps"]):
-                        token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-                    synchronize(device)
-                row[f"{name}_per_token_s"] = (time.perf_counter() - start) / s["decode_steps"]
+
+                    def steps(token=token, model=model, cache=cache):
+                        for _ in range(s["decode_steps"]):
+                            logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits
+                            token = logits[:, -1:].argmax(-1)
+
+                    seconds = timed(steps, device)[0]
+                row[f"{name}_per_token_s"] = seconds / s["decode_steps"]
             row["nprf_over_sdpa"] = row["nprf_per_token_s"] / row["sdpa_per_token_s"]
             rows.append(row)
             log(f"decode batch {batch}, context {context}: NPRF {row['nprf_per_token_s'] * 1e3:.2f} ms/token, "
@@ -530,10 +504,6 @@ def profile_part(s, device, dtype, log, path):
         log(lines[-2])
     with open(path, "w") as handle:
         handle.write("\n".join(lines))
-
-
-def device_name(device):
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
 
 
 def plot(results, path):
@@ -627,8 +597,7 @@ def main(argv=None):
         # "auto" falls back to PyTorch when the kernels fail on the device: then these numbers are not the kernels'
         results[f"{part}_kernels_disabled"] = list(nprf_triton._disabled)
         results["total_s"] = time.perf_counter() - started
-        with open(args.output, "w") as handle:  # after every part: a run cut short keeps what it measured
-            json.dump(results, handle, indent=1)
+        write_json(args.output, results)  # after every part: a run cut short keeps what it measured
     if args.profile:
         try:
             profile_part(sizes, device, dtype, log, os.path.splitext(args.output)[0] + "_profile.txt")

@@ -8,4 +8,6 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 "$PYTHON" -c "import torch, triton, transformers; assert torch.cuda.is_available(), 'no CUDA device'" 
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv || true
+# the clone's nprf_hf, installed or not (a device machine has no network to install it): the scripts import it
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 "$PYTHON" benchmarks/gpu.py --output "${OUTPUT:-benchmarks/results/gpu_cuda_bf16.json}" "$@"

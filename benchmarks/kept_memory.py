@@ -1,8 +1,8 @@
 """What a training step keeps from forward to backward, and its peak allocation, NPRF against SDPA, in bytes.
 
 `long_sequence.py` measures peak memory as the process's resident set, which is what a user sees but moves by tens
-of MiB from run to run. This script counts instead, for the same models (`long_sequence.build_model`), one step of
-`mean(last_hidden_state ** 2)`:
+of MiB from run to run. This script counts instead, for the same models (`nprf_hf.benchmarking.long_sequence_model`),
+one step of `mean(last_hidden_state ** 2)`:
 
 * kept: every tensor autograd saves for backward (`torch.autograd.graph.saved_tensors_hooks`), each storage once,
   parameters and buffers left out (they are held anyway), listed by shape;
@@ -17,14 +17,11 @@ memory of issue 25, at 2 layers):
 
 import argparse
 import collections
-import json
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import long_sequence  # noqa: E402  (the benchmark's models)
+from nprf_hf.benchmarking import long_sequence_model, peak_allocated, write_json
 
 VARIANTS = ("nprf", "nprf-keep", "sdpa")
 
@@ -46,38 +43,15 @@ def kept_for_backward(model, input_ids):
     return sum(nbytes for nbytes, _ in seen.values()), shapes, hidden
 
 
-def peak_allocated(model, input_ids, device):
-    """The most bytes allocated above the start during one forward + backward."""
-    def step():
-        model(input_ids=input_ids).last_hidden_state.float().pow(2).mean().backward()
-
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
-        start = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        step()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - start
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-    current = peak = 0
-    for _, nbytes in events:
-        current += nbytes
-        peak = max(peak, current)
-    return peak
-
-
 def measure(variant, n, args):
     torch.manual_seed(0)
-    model = long_sequence.build_model(variant, args, n).to(args.device).train()
+    model = long_sequence_model(variant, args, n).to(args.device).train()
     input_ids = torch.randint(5, args.vocab_size, (1, n), device=args.device)
     kept, shapes, hidden = kept_for_backward(model, input_ids)
     del hidden
     model.zero_grad(set_to_none=True)
-    peak = peak_allocated(model, input_ids, args.device)
+    peak = peak_allocated(lambda: model(input_ids=input_ids).last_hidden_state.float().pow(2).mean().backward(),
+                          args.device)
     return {"variant": variant, "n": n, "kept_bytes": kept, "peak_bytes": peak,
             "kept_by_shape": [[list(shape), dtype, count] for (shape, dtype), count in sorted(shapes.items())]}
 
@@ -127,9 +101,8 @@ def main(argv=None):
     print(text)
     if args.output:
         command = "python benchmarks/kept_memory.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        with open(args.output + ".json", "w") as handle:
-            json.dump({"meta": {"command": command, "args": vars(args), "torch": torch.__version__},
-                       "results": results, "table": text}, handle, indent=1)
+        write_json(args.output + ".json", {"meta": {"command": command, "args": vars(args), "torch": torch.__version__},
+                                           "results": results, "table": text})
     return results
 
 

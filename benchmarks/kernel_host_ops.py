@@ -18,8 +18,6 @@ NPRF adds to each eager step on a host-bound GPU.
 import argparse
 import collections
 import os
-import statistics
-import time
 
 os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported: CPU tensors reach the kernels' wrappers
 
@@ -29,6 +27,7 @@ from torch.utils._pytree import tree_leaves  # noqa: E402
 
 from nprf_hf import functional as Fn  # noqa: E402
 from nprf_hf import nprf_dispatch, nprf_triton, nprf_triton_decode, nprf_triton_kernels  # noqa: E402
+from nprf_hf.benchmarking import median_time  # noqa: E402
 
 
 class KernelStub:
@@ -124,14 +123,7 @@ def model_steps(repeats):
             model(input_ids=ids, labels=ids).loss.backward()
             model.zero_grad(set_to_none=True)
 
-        for _ in range(3):
-            step()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - start)
-        seconds[name] = statistics.median(times)
+        seconds[name] = median_time(step, repeats=repeats, warmup=3)
     return seconds
 
 
@@ -162,13 +154,9 @@ def main(argv=None):
         kinds = collections.Counter()
         for (kind, _), count in ops.items():
             kinds[kind] += count
-        times = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - start)
+        host = median_time(call, repeats=args.repeats, warmup=0)  # warmed up above, before the counted call
         print(f"{label}: {kinds['launch']} launch-like operators, {kernels} NPRF kernel launches, "
-              f"{kinds['alloc']} allocations, {kinds['view']} views; host {statistics.median(times) * 1e6:.0f} us")
+              f"{kinds['alloc']} allocations, {kinds['view']} views; host {host * 1e6:.0f} us")
         if args.verbose:
             print("    " + ", ".join(f"{name} x{n}" for (kind, name), n in ops.most_common() if kind == "launch"))
     if args.model:

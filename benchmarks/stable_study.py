@@ -31,12 +31,16 @@ and OUTPUT/{loss_curves,grad_norms,figure2,perplexity_vs_m}.png.
 """
 
 import argparse
+import functools
+import importlib.util
 import json
 import math
 import os
 import subprocess
 import sys
 import time
+
+from nprf_hf.benchmarking import write_json
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -157,8 +161,8 @@ def run_mlm(args, name, arm, seed, tokenizer, learning_rate):
 def fine_tune(args, name, model_dir, task, seed):
     """`examples/run_glue.py` on one GLUE task from a pre-trained folder, with `glue_recipes`' protocol (`TASKS`,
     `COMMON`); returns the dev metrics."""
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
-    from glue_recipes import COMMON, TASKS
+    recipes = example("glue_recipes")
+    COMMON, TASKS = recipes.COMMON, recipes.TASKS
 
     out = os.path.join(args.output, "runs", name)
     if not (os.path.isfile(os.path.join(out, "eval_results.json")) and not args.rerun):
@@ -170,6 +174,16 @@ def fine_tune(args, name, model_dir, task, seed):
     with open(os.path.join(out, "eval_results.json")) as handle:
         metrics = json.load(handle)
     return {metric: metrics["eval_" + metric] for metric in TASKS[task][1]}
+
+
+@functools.lru_cache(maxsize=None)
+def example(name):
+    """examples/NAME.py as a module, loaded from its file: the study runs the examples' own GLUE protocol and
+    perplexity, not copies (examples/ is no package, and no folder is added to the import path)."""
+    spec = importlib.util.spec_from_file_location(f"nprf_examples_{name}", os.path.join(ROOT, "examples", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _subprocess(command, name, threads):
@@ -212,8 +226,8 @@ def swapped_perplexity(run, tokenizer, test_file, block_size, num_random_feature
 
     import nprf_hf
 
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
-    from run_clm import evaluate, token_blocks
+    run_clm = example("run_clm")
+    evaluate, token_blocks = run_clm.evaluate, run_clm.token_blocks
 
     path = os.path.join(run["output_dir"], "swapped.json")
     done = json.load(open(path)) if os.path.isfile(path) else {}
@@ -226,8 +240,7 @@ def swapped_perplexity(run, tokenizer, test_file, block_size, num_random_feature
         _TEST_BLOCKS[key] = token_blocks(AutoTokenizer.from_pretrained(tokenizer), test_file, block_size)
     with torch.no_grad():
         done[str(num_random_features)] = evaluate(model, _TEST_BLOCKS[key], 8, None)["perplexity"]
-    with open(path, "w") as handle:
-        json.dump(done, handle)
+    write_json(path, done, indent=None)
     return done[str(num_random_features)]
 
 
@@ -304,8 +317,7 @@ def main(argv=None):
                 scores = {task: fine_tune(args, f"d-{arm}-{task}-s{seed}", mlm["output_dir"], task, seed)
                           for task in FINE_TUNE_TASKS}
                 report["d"].append({"arm": arm, "seed": seed, **mlm, "glue": scores})
-    with open(os.path.join(args.output, "results.json"), "w") as handle:
-        json.dump(report, handle, indent=1)
+    write_json(os.path.join(args.output, "results.json"), report)
     tables = write_tables(report, args)
     print(tables)
     if not args.no_plot:

