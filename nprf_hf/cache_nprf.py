@@ -56,8 +56,7 @@ class NPRFCacheLayer(CacheLayerMixin):
 
     def update(self, key_states, value_states, *args, **kwargs):
         raise NotImplementedError("NPRFCache holds recurrent NPRF state, not keys and values: only NPRF decoder "
-                                  "self-attention can use it (through NPRFCache.attend). Pass a DynamicCache for other "
-                                  "attention modules.")
+                                  "self-attention uses it (NPRFCache.attend); pass a DynamicCache to other modules.")
 
     @property
     def has_state(self):
@@ -115,18 +114,15 @@ class NPRFCacheLayer(CacheLayerMixin):
         if torch.compiler.is_compiling():
             return mask
         if self.projection_id is not None and self.projection_id != _projection_id(projection):
-            raise ValueError(f"the random projection of layer {layer_idx} changed since NPRFCache was built (a feature "
-                             "redraw or new weights): its state was computed with the old features; start again with "
-                             "a new cache")
-        # every layer sees the same mask, so layer 0 alone reads it back (one host sync per step); a mask of the new
-        # tokens only has no past to compare
+            raise ValueError(f"the random projection of layer {layer_idx} changed since NPRFCache was built (a redraw "
+                             "or new weights): its state holds the old features; start again with a new cache")
+        # layer 0 alone reads the mask back (one host sync per step: every layer has the same); new tokens' has no past
         if layer_idx != 0 or (mask is not None and mask.shape[-1] == length):
             return mask
         past = int(self.get_seq_length())
         if mask is not None and mask.shape[-1] != past + length:
             raise ValueError(f"{name} has seen {past} tokens: the attention_mask must be [B={batch}, past + new = "
-                             f"{past + length}] (the whole sequence) or [B={batch}, new = {length}], got "
-                             f"{tuple(mask.shape)}")
+                             f"{past + length}] or [B={batch}, new = {length}], got {tuple(mask.shape)}")
         seen = torch.full_like(self.real_tokens, past) if mask is None else mask[:, :past].sum(-1)
         if not bool((seen == self.real_tokens).all()):
             raise ValueError("the attention mask of the past tokens differs from the one NPRFCache saw (past padding "
@@ -134,11 +130,9 @@ class NPRFCacheLayer(CacheLayerMixin):
         return mask
 
     def kept_key_weights(self, layer_idx, *args):
-        raise ValueError(
-            f"output_attentions=True needs every past key, which {type(self).__name__} (layer {layer_idx}) does not "
-            "keep: generate with cache_implementation='static' (keys kept up to the static length), 'dynamic', or "
-            "use_cache=False"
-        )
+        raise ValueError(f"output_attentions=True needs every past key, which {type(self).__name__} (layer "
+                         f"{layer_idx}) does not keep: generate with cache_implementation='static' (keys kept up to "
+                         "the static length), 'dynamic', or use_cache=False")
 
     def reset(self):
         self.__init__()
@@ -238,8 +232,7 @@ class NPRFStaticCacheLayer(NPRFCacheLayer):
     def _apply(self, fn):
         # in place where the shape stays (beam reordering): the addresses a compiled step was recorded with
         for name in self._tensors() if self.has_state else ():
-            old = getattr(self, name)
-            new = fn(old)
+            old, new = getattr(self, name), fn(getattr(self, name))
             if new.shape == old.shape:
                 old.copy_(new)
             else:
@@ -279,21 +272,14 @@ class NPRFCacheMixin:
 
     def attend(self, layer_idx, query, key, value, key_padding_mask, rpe_table, projection, band_width, num_buckets=32,
                max_distance=128, algorithm="auto", variant="nprf", terms=None, output_attentions=False):
-        """Causal NPRF attention of the new tokens to everything the layer has seen, advancing its state: the prompt
-        through `nprf_attention(algorithm=...)`, building the state from its keys, later tokens through the state.
-
-        Args:
-            query, key, value: [B, H, L, d] of the L new tokens. variant: one whose kernel factors into features.
-            key_padding_mask: None or bool, True = keep: [B, past + L] (as generate() passes it; the past must agree
-                with what the cache saw) or [B, L] (the new tokens only: a compiled step's one shape).
-            rpe_table: [H, num_buckets] unidirectional bucket table. projection: [H, m, d] or [m, d].
-            band_width: W of the unidirectional buckets (`rpe_band_width(..., bidirectional=False)`).
-            terms: the layer's optional terms (`nprf_terms.AttentionTerms`); feature terms only.
-            output_attentions: also return the weights [B, H, L, max_cache_len] (zero past the tokens seen), from the
-                keys an NPRFStaticCache built with `max_cache_len` keeps; a ValueError for a cache that keeps none.
-        Returns:
-            [B, H, L, d] attention output (and the weights, with output_attentions).
-        """
+        """Causal NPRF attention of the new tokens (query, key, value [B, H, L, d]) to everything the layer has seen,
+        advancing its state: the prompt through `nprf_attention(algorithm=...)`, later tokens through the state.
+        key_padding_mask: None or bool, True = keep, [B, past + L] (as generate() passes it; the past must agree with
+        what the cache saw) or [B, L] (a compiled step's one shape). rpe_table: [H, num_buckets], unidirectional;
+        projection: [H, m, d] or [m, d]; band_width: its W (`rpe_band_width(..., bidirectional=False)`); terms:
+        feature terms only (`nprf_terms.AttentionTerms`); variant: one whose kernel factors into features. Returns
+        [B, H, L, d], and with output_attentions the weights [B, H, L, max_cache_len] (zero past the tokens seen) from
+        the keys an NPRFStaticCache with `max_cache_len` keeps (a ValueError for a cache that keeps none)."""
         terms = AttentionTerms() if terms is None else terms
         if variant in KEY_VALUE_CACHE_VARIANTS:
             raise ValueError(f"NPRFCache's running sums hold features: attention_variant={variant!r} decodes with "
