@@ -119,8 +119,10 @@ LARGE_FUNCTIONS = {
     "nprf_context_parallel._window_attention",
     # Triton kernels (a parameter per pointer, stride and block size) and the custom op that launches them
     "nprf_triton_kernels", "nprf_triton_decode", "nprf_triton._attention_backward", "nprf_triton._",
-    # under rework elsewhere (issue 56): cache_nprf.py's shrink, the dense product's backward, the near field
-    "cache_nprf", "nprf_dense._DenseToeplitzProduct.backward", "nprf_near_field.near_field_correction",
+    # the cache's attention step: the layer's arguments and the cache's own
+    "cache_nprf.NPRFCacheMixin.attend",
+    # under rework elsewhere (issue 56): the dense product's backward, the near field's correction
+    "nprf_dense._DenseToeplitzProduct.backward", "nprf_near_field.near_field_correction",
 }
 
 
