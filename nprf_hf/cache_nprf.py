@@ -21,9 +21,9 @@ from .nprf_terms import AttentionTerms
 from .options import KEY_VALUE_CACHE_VARIANTS
 
 
-# The name of the cache among the models' forward arguments, generate()'s model kwargs and the mask builders':
-# `cache` from transformers 5.24 on (which still takes `past_key_values`, with a warning, until 5.40),
-# `past_key_values` before. Read from transformers' own signature, so the code hands it on under the installed name.
+# The cache's name among the models' forward arguments, generate()'s model kwargs and the mask builders': `cache` from
+# transformers 5.24 on (`past_key_values`, still taken with a warning until 5.40, before). Read from transformers' own
+# signature (no version number), so the cache goes on under the installed name.
 CACHE_ARGUMENT = "cache" if "cache" in inspect.signature(create_masks_for_generate).parameters else "past_key_values"
 
 
@@ -362,7 +362,8 @@ class NPRFGenerationMixin:
         """A decode step through an NPRF cache (one new token per sequence) runs on the CPU threads its cache's earlier
         steps ran faster with (`nprf_cpu_threads.ThreadChoice`); anything else, and a traced call, as
         `nn.Module.__call__` (a model compiled in place, `model.compile()`, is timed as an eager one)."""
-        cache = None if torch.compiler.is_compiling() else find_nprf_cache(kwargs.get(CACHE_ARGUMENT))
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))  # either name: callers may use the older one
+        cache = None if torch.compiler.is_compiling() else find_nprf_cache(cache)
         choice = getattr(cache, "thread_choice", None)  # None too for a cache pickled before it had one
         tokens = kwargs.get("input_ids", args[0] if args else None)
         tokens = kwargs.get("inputs_embeds") if tokens is None else tokens
@@ -412,14 +413,14 @@ class NPRFGenerationMixin:
         new = None if attention_mask is None else attention_mask[:, attention_mask.shape[-1] - inputs_embeds.shape[1] :]
         return None if new is None else new.clone(memory_format=torch.contiguous_format)
 
-    def prepare_inputs_for_generation(self, input_ids, *args, **kwargs):
+    def prepare_inputs_for_generation(self, input_ids, *, attention_mask=None, inputs_embeds=None, **kwargs):
         """transformers' inputs of one step, with `position_ids` in the numbering of the embeddings. generate()
         numbers from 0 over the real tokens (`attention_mask.cumsum(-1) - 1`), given ids or not; RoBERTa's embeddings
         from padding_idx + 1: shifted here, the one place every step goes through, so explicit and implicit ids agree
-        with a forward pass without position_ids. Parameters as transformers' (the cache named `CACHE_ARGUMENT`)."""
-        model_inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
-        # (input_ids, next_sequence_length, cache, attention_mask, ...) in every transformers 5
-        attention_mask = args[2] if len(args) > 2 else kwargs.get("attention_mask")
+        with a forward pass without position_ids. Keywords as transformers' (generate passes them by name; whether
+        `inputs_embeds` is taken it reads from this signature), the cache named `CACHE_ARGUMENT`."""
+        model_inputs = super().prepare_inputs_for_generation(input_ids, attention_mask=attention_mask,
+                                                             inputs_embeds=inputs_embeds, **kwargs)
         position_ids = model_inputs.get("position_ids")
         padding_idx = getattr(getattr(self.base_model, "embeddings", None), "padding_idx", None)
         if padding_idx is None or position_ids is None:  # padding_idx: families whose positions start after it

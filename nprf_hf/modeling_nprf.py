@@ -56,7 +56,9 @@ from .attention_nprf import (  # noqa: F401
     projection_generator,
     split_attention_mask,
 )
-from .cache_nprf import NPRFGenerationMixin, default_decoder_cache, find_nprf_cache
+from .cache_nprf import (
+    CACHE_ARGUMENT, NPRFGenerationMixin, default_decoder_cache, find_nprf_cache, pop_cache_argument,
+)
 from .configuration_nprf import NPRF_CONFIG_CLASSES, validate_nprf_fields
 from .families import ATTENTION_LAYOUTS, FAMILIES, HEADS, family_of
 from .options import NPRF_FIELDS
@@ -97,21 +99,25 @@ class NPRFEmbeddings(nn.Module):
         if isinstance(getattr(embeddings, "position_ids", None), torch.Tensor):  # HF's arange buffer, for code reading it
             self.position_ids = nn.Buffer(embeddings.position_ids, persistent=False)
 
-    def make_position_ids(self, input_ids, inputs_embeds, past_key_values_length):
+    def make_position_ids(self, input_ids, inputs_embeds, cache_length):
         """[B or 1, L] position of every token."""
         reference = input_ids if input_ids is not None else inputs_embeds
         device, length = reference.device, reference.shape[1]
         # a shard of a sequence sharded over ranks (`context_parallel`) counts on from the shards before it
-        past_key_values_length = past_key_values_length + shard_position_offset(input_ids, length, self.padding_idx, device)
-        # past_key_values_length: an int, or a 0-d tensor (NPRFStaticCache) added without reading it on the host
+        cache_length = cache_length + shard_position_offset(input_ids, length, self.padding_idx, device)
+        # cache_length: an int, or a 0-d tensor (NPRFStaticCache) added without reading it on the host
         if self.padding_idx is None:
-            return (torch.arange(length, device=device) + past_key_values_length)[None]
+            return (torch.arange(length, device=device) + cache_length)[None]
         if input_ids is None:  # every token is real
-            return (torch.arange(length, device=device) + (self.padding_idx + 1) + past_key_values_length)[None]
+            return (torch.arange(length, device=device) + (self.padding_idx + 1) + cache_length)[None]
         real = input_ids.ne(self.padding_idx).long()
-        return (torch.cumsum(real, dim=1) + past_key_values_length) * real + self.padding_idx
+        return (torch.cumsum(real, dim=1) + cache_length) * real + self.padding_idx
 
-    def forward(self, input_ids=None, token_type_ids=None, position_ids=None, inputs_embeds=None, past_key_values_length=0):
+    def forward(self, input_ids=None, token_type_ids=None, position_ids=None, inputs_embeds=None, cache_length=0,
+                past_key_values_length=0):
+        # the family's model hands the cached length on as `cache_length` from transformers 5.24 on, as
+        # `past_key_values_length` before: one of the two is 0
+        cache_length = cache_length + past_key_values_length
         check_embedding_ids(self, input_ids, token_type_ids, position_ids)
         if inputs_embeds is None:
             inputs_embeds = self.word_embeddings(input_ids)
@@ -122,7 +128,7 @@ class NPRFEmbeddings(nn.Module):
             embeddings = embeddings + self.token_type_embeddings(token_type_ids)
         if self.position_embeddings is not None:
             if position_ids is None:
-                position_ids = self.make_position_ids(input_ids, inputs_embeds, past_key_values_length)
+                position_ids = self.make_position_ids(input_ids, inputs_embeds, cache_length)
                 if not torch.compiler.is_compiling() and position_ids.numel():  # reads the ids on the host
                     last, limit = int(position_ids.max()), self.position_embeddings.num_embeddings
                     if last >= limit:
@@ -381,11 +387,11 @@ class NPRFModelMixin:
         self.post_init()
 
     def _create_attention_masks(
-        self, attention_mask, encoder_attention_mask, embedding_output, encoder_hidden_states, past_key_values, **kwargs
+        self, attention_mask, encoder_attention_mask, embedding_output, encoder_hidden_states, *args, **kwargs
     ):
         """For the families whose model builds its masks here: the self-attention mask as `forward` normalized
         it (None stays None: no L x L causal mask, causality comes from `is_decoder`); the cross-attention
-        mask is HF's."""
+        mask is HF's. The cache (transformers' last argument, `past_key_values` or `cache` by version) is not read."""
         if encoder_attention_mask is not None:
             encoder_attention_mask = create_bidirectional_mask(
                 config=self.config,
@@ -427,11 +433,15 @@ class NPRFModelMixin:
         """The forward of every NPRF base model, given every argument by name (each family's `forward` spells the
         parameters of its transformers model's): the attention mask normalized once, projections redrawn,
         the decoder's NPRFCache, the shared RPE bias, the ids the optional terms read; then the family's forward.
-        Arguments left at None are not handed on (every parameter of those forwards defaults to None: the same call)."""
+        Arguments left at None are not handed on (every parameter of those forwards defaults to None: the same call).
+        The cache comes as `cache` or `past_key_values` and goes on under the installed transformers' name."""
         arguments = {name: value for name, value in arguments.items() if value is not None}
+        past = pop_cache_argument(arguments)
+        if past is not None:
+            arguments[CACHE_ARGUMENT] = past
         input_ids, inputs_embeds = arguments.get("input_ids"), arguments.get("inputs_embeds")
         reference = input_ids if input_ids is not None else inputs_embeds
-        attention_mask, past = arguments.get("attention_mask"), arguments.get("past_key_values")
+        attention_mask = arguments.get("attention_mask")
         causal = bool(getattr(self.config, "is_decoder", False))
         query_length = key_length = None
         if reference is not None:
@@ -450,7 +460,7 @@ class NPRFModelMixin:
         if causal and past is None and self._wants_nprf_cache(arguments, attention_mask):
             # instead of HF's growing key/value cache (which attention weights and general 4D masks need)
             cross_attention = arguments.get("encoder_hidden_states") is not None
-            past = arguments["past_key_values"] = default_decoder_cache(self.config, cross_attention)
+            past = arguments[CACHE_ARGUMENT] = default_decoder_cache(self.config, cross_attention)
         table = self.layer_stack.rpe_table
         if table is not None:
             arguments["rpe_table"] = table
@@ -561,7 +571,7 @@ class NPRFBertModel(NPRFModelMixin, NPRFBertPreTrainedModel, transformers.BertMo
         inputs_embeds=None,
         encoder_hidden_states=None,
         encoder_attention_mask=None,
-        past_key_values=None,
+        cache=None,
         use_cache=None,
         **kwargs: Unpack[TransformersKwargs],
     ):
@@ -574,7 +584,7 @@ class NPRFBertModel(NPRFModelMixin, NPRFBertPreTrainedModel, transformers.BertMo
             inputs_embeds=inputs_embeds,
             encoder_hidden_states=encoder_hidden_states,
             encoder_attention_mask=encoder_attention_mask,
-            past_key_values=past_key_values,
+            cache=cache,
             use_cache=use_cache,
             **kwargs,
         )
@@ -660,7 +670,7 @@ class NPRFRobertaModel(NPRFModelMixin, NPRFRobertaPreTrainedModel, transformers.
         inputs_embeds=None,
         encoder_hidden_states=None,
         encoder_attention_mask=None,
-        past_key_values=None,
+        cache=None,
         use_cache=None,
         **kwargs: Unpack[TransformersKwargs],
     ):
@@ -673,7 +683,7 @@ class NPRFRobertaModel(NPRFModelMixin, NPRFRobertaPreTrainedModel, transformers.
             inputs_embeds=inputs_embeds,
             encoder_hidden_states=encoder_hidden_states,
             encoder_attention_mask=encoder_attention_mask,
-            past_key_values=past_key_values,
+            cache=cache,
             use_cache=use_cache,
             **kwargs,
         )
@@ -761,7 +771,7 @@ class NPRFXLMRobertaModel(NPRFModelMixin, NPRFXLMRobertaPreTrainedModel, transfo
         inputs_embeds=None,
         encoder_hidden_states=None,
         encoder_attention_mask=None,
-        past_key_values=None,
+        cache=None,
         use_cache=None,
         **kwargs: Unpack[TransformersKwargs],
     ):
@@ -774,7 +784,7 @@ class NPRFXLMRobertaModel(NPRFModelMixin, NPRFXLMRobertaPreTrainedModel, transfo
             inputs_embeds=inputs_embeds,
             encoder_hidden_states=encoder_hidden_states,
             encoder_attention_mask=encoder_attention_mask,
-            past_key_values=past_key_values,
+            cache=cache,
             use_cache=use_cache,
             **kwargs,
         )
@@ -868,7 +878,7 @@ class NPRFElectraModel(NPRFModelMixin, NPRFElectraPreTrainedModel, transformers.
         inputs_embeds=None,
         encoder_hidden_states=None,
         encoder_attention_mask=None,
-        past_key_values=None,
+        cache=None,
         use_cache=None,
         **kwargs: Unpack[TransformersKwargs],
     ):
@@ -881,7 +891,7 @@ class NPRFElectraModel(NPRFModelMixin, NPRFElectraPreTrainedModel, transformers.
             inputs_embeds=inputs_embeds,
             encoder_hidden_states=encoder_hidden_states,
             encoder_attention_mask=encoder_attention_mask,
-            past_key_values=past_key_values,
+            cache=cache,
             use_cache=use_cache,
             **kwargs,
         )
