@@ -10,6 +10,7 @@ from the inputs runs a sequence at a time (`banded_toeplitz_backward`, for the l
 """
 
 import itertools
+import math
 import re
 from typing import Optional
 
@@ -28,6 +29,9 @@ from .nprf_positions import diagonals
 BANDED_MIN_CHUNK = 16
 # Chunks of reach R: a query chunk's window is 2R + 1 chunks (R s >= W - 1).
 BANDED_REACH = 1
+# Chunks of reach with the exact near field: its window's inner chunks need no feature scores and its outer ones
+# few, so smaller chunks save more than they cost (docs/RESULTS.md, "Exact near field").
+NEAR_FIELD_REACH = 2
 # Slots per product in the banded forward: [32, s, 3s] weights stay in cache.
 BANDED_GROUP = 32
 
@@ -45,7 +49,7 @@ def banded_toeplitz_attention(phi_q, phi_k, value, c, band_width, causal, near=N
     """
     batch, heads, n, m = phi_q.shape
     e = value.shape[-1] + 1
-    reach, chunk = banded_chunking(band_width)
+    reach, chunk = banded_chunking(band_width, near is not None)
     num_chunks = -(-n // chunk)
     if num_chunks <= 2 * reach + 1:  # the window covers the whole sequence: this is the dense product
         return dense_toeplitz_attention(phi_q, phi_k, values_and_ones(value), c, near)
@@ -233,19 +237,26 @@ def band_window_product(
     u_windows = u_rows.unfold(1, window, chunk).transpose(-1, -2)  # [B*H, chunks, window, e]
     near = q_near is not None
     k_near_windows = k_near_rows.unfold(1, window, chunk) if near else None
+    far_columns = _far_columns(coefficients, chunk) if near else None
     out = q.new_empty(q.shape[0], chunk, u_rows.shape[-1])
     # one buffer per thread (two with the near field), reused: no allocation per group
-    buffers = [q.new_empty(1 + near, min(BANDED_GROUP, num_chunks), chunk, window)
+    buffers = [q.new_empty(1 + near, min(BANDED_GROUP, num_chunks) * chunk * window)
                for _ in range(parallel_slots(sequences, q.device))]
 
     def sequence_product(sequence, slot):
+        coefficient = coefficients[sequence % heads]
         for first, last, rows in _chunk_groups(sequence, num_chunks):
-            weights = torch.bmm(q[rows], k_windows[sequence, first:last], out=buffers[slot][0, : last - first])
-            weights.mul_(coefficients[sequence % heads])
-            if near:
-                exact = torch.bmm(q_near[rows], k_near_windows[sequence, first:last],
-                                  out=buffers[slot][1, : last - first])
-                weights.addcmul_(exact.exp_(), near_coefficients[sequence % heads])
+            weights = buffers[slot][0, : (last - first) * chunk * window].view(last - first, chunk, window)
+            if not near:
+                torch.bmm(q[rows], k_windows[sequence, first:last], out=weights).mul_(coefficient)
+            else:  # the exact kernel on the window, the features only on the blocks that hold far pairs
+                torch.bmm(q_near[rows], k_near_windows[sequence, first:last], out=weights).exp_()
+                weights.mul_(near_coefficients[sequence % heads])
+                for start, stop in far_columns:
+                    scores = buffers[slot][1, : (last - first) * chunk * (stop - start)]
+                    scores = torch.bmm(q[rows], k_windows[sequence, first:last, :, start:stop],
+                                       out=scores.view(last - first, chunk, stop - start))
+                    weights[:, :, start:stop].addcmul_(scores, coefficient[:, start:stop])
             torch.bmm(weights, u_windows[sequence, first:last], out=out[rows])
 
     parallel_items(sequences, sequence_product, q.device)
@@ -313,6 +324,7 @@ def _band_window_backward(q, k_rows, u_rows, coefficients, grad_out, needs_coeff
     grad_q_near = torch.empty_like(q_near) if near else None
     grad_k_near = torch.zeros_like(k_near_rows) if near else None
     k_near_windows = k_near_rows.unfold(1, window, chunk) if near else None
+    far_columns = _far_columns(coefficients, chunk) if near else None
     group = min(BANDED_GROUP, num_chunks)  # per-thread buffers, reused: no allocation per group
     buffers = [(*(q.new_empty(group, chunk, window) for _ in range(3 + near)),
                 q.new_empty(group, window, u_rows.shape[-1]), q.new_empty(group, window, q.shape[-1]),
@@ -326,18 +338,27 @@ def _band_window_backward(q, k_rows, u_rows, coefficients, grad_out, needs_coeff
             coefficient, count = coefficients[sequence % heads], last - first
             q_group, grad_group = q[rows], grad_out[rows]
             k_group, u_group = k_windows[sequence, first:last], u_windows[sequence, first:last]
-            scores = torch.bmm(q_group, k_group, out=scores_buffer[:count])
             grad_weights = torch.bmm(grad_group, u_group, out=grad_weights_buffer[:count])
-            if grad_coefficients is not None:
-                grad_coefficients[0, sequence] += torch.mul(scores, grad_weights, out=product_buffer[:count]).sum(0)
-            weights = scores.mul_(coefficient)
-            if near:  # w += exp(q_near K_near) near_coefficients: the logits' gradient exp(.) dL/dw near_coefficients
+            if not near:
+                scores = torch.bmm(q_group, k_group, out=scores_buffer[:count])
+                if grad_coefficients is not None:
+                    grad_coefficients[0, sequence] += torch.mul(scores, grad_weights,
+                                                                out=product_buffer[:count]).sum(0)
+                weights = scores.mul_(coefficient)
+            else:  # w = exp(q_near K_near) near_coefficients + (q K) coefficients on the far blocks only
                 near_coefficient = near_coefficients[sequence % heads]
                 k_near_group = k_near_windows[sequence, first:last]
                 exact = torch.bmm(q_near[rows], k_near_group, out=exact_buffer[0][:count]).exp_()
                 if grad_coefficients is not None:
                     grad_coefficients[1, sequence] += torch.mul(exact, grad_weights, out=product_buffer[:count]).sum(0)
-                weights.addcmul_(exact, near_coefficient)
+                weights = torch.mul(exact, near_coefficient, out=scores_buffer[:count])
+                for start, stop in far_columns:
+                    scores = _flat(product_buffer, count, chunk, stop - start)
+                    torch.bmm(q_group, k_group[:, :, start:stop], out=scores)
+                    if grad_coefficients is not None:
+                        grad_coefficients[0, sequence, :, start:stop] += (scores * grad_weights[:, :, start:stop]).sum(0)
+                    weights[:, :, start:stop].addcmul_(scores, coefficient[:, start:stop])
+                # the logits' gradient: exp(.) dL/dw near_coefficients
                 grad_logits = exact.mul_(grad_weights).mul_(near_coefficient)
                 torch.bmm(grad_logits, k_near_group.transpose(-1, -2), out=grad_q_near[rows])
                 torch.bmm(grad_logits.transpose(-1, -2), q_near[rows], out=grad_k_near_windows[:count])
@@ -345,9 +366,17 @@ def _band_window_backward(q, k_rows, u_rows, coefficients, grad_out, needs_coeff
             torch.bmm(weights.transpose(-1, -2), grad_group, out=grad_u_windows[:count])
             _fold_windows(grad_u_windows[:count], grad_u[sequence], first, chunk)
             grad_scores = grad_weights.mul_(coefficient)
-            torch.bmm(grad_scores, k_group.transpose(-1, -2), out=grad_q[rows])
-            torch.bmm(grad_scores.transpose(-1, -2), q_group, out=grad_k_windows[:count])
-            _fold_windows(grad_k_windows[:count], grad_k[sequence], first, chunk)
+            if not near:
+                torch.bmm(grad_scores, k_group.transpose(-1, -2), out=grad_q[rows])
+                torch.bmm(grad_scores.transpose(-1, -2), q_group, out=grad_k_windows[:count])
+                _fold_windows(grad_k_windows[:count], grad_k[sequence], first, chunk)
+                continue
+            grad_q[rows].zero_()
+            for start, stop in far_columns:  # the features' gradients come from the far blocks alone
+                grad_q[rows].baddbmm_(grad_scores[:, :, start:stop], k_group[:, :, start:stop].transpose(-1, -2))
+                grad_k_far = _flat(grad_k_windows, count, stop - start, q.shape[-1])
+                torch.bmm(grad_scores[:, :, start:stop].transpose(-1, -2), q_group, out=grad_k_far)
+                _fold_windows(grad_k_far, grad_k[sequence], first + start // chunk, chunk)
 
     parallel_items(sequences, sequence_backward, q.device)
     grad_near_coefficients = None
@@ -357,6 +386,26 @@ def _band_window_backward(q, k_rows, u_rows, coefficients, grad_out, needs_coeff
         grad_near_coefficients = grad_coefficients[1].clone() if near else None
         grad_coefficients = grad_coefficients[0].clone()
     return grad_q, grad_k, grad_u, grad_coefficients, grad_q_near, grad_k_near, grad_near_coefficients
+
+
+def _far_columns(coefficients, chunk):
+    """[(start, stop)]: the window's column blocks (whole chunks, adjacent ones merged) where the far coefficients
+    [H, s, window] are not all zero: with the near field, outside them every pair is near and its feature scores
+    would be multiplied by zero (a host sync of the window's block flags)."""
+    heads, _, window = coefficients.shape
+    flags = coefficients.view(heads, chunk, window // chunk, chunk).ne(0).any(-1).any(1).any(0).tolist()
+    columns = []
+    for block, far in enumerate(flags):
+        if far and columns and columns[-1][1] == block * chunk:
+            columns[-1] = (columns[-1][0], (block + 1) * chunk)
+        elif far:
+            columns.append((block * chunk, (block + 1) * chunk))
+    return columns
+
+
+def _flat(buffer, *shape):
+    """A contiguous [*shape] view of the front of `buffer` (a matmul's out= must be contiguous)."""
+    return buffer.view(-1)[: math.prod(shape)].view(shape)
 
 
 def _chunk_groups(sequence, num_chunks):
@@ -375,14 +424,15 @@ def _fold_windows(window_grads, rows, first, chunk):
         rows[start : start + count * chunk].view(count, chunk, features).add_(window_grads[:, block * chunk : (block + 1) * chunk])
 
 
-def banded_chunking(band_width):
-    """(reach R, chunk size s) with R s >= W - 1: smaller chunks waste less of the window."""
-    reach = BANDED_REACH
+def banded_chunking(band_width, near=False):
+    """(reach R, chunk size s) with R s >= W - 1: smaller chunks waste less of the window; `near`: for the exact
+    near field, whose window pays an exp per entry and needs the features only in its outermost chunks."""
+    reach = NEAR_FIELD_REACH if near else BANDED_REACH
     chunk = max(-(-(band_width - 1) // reach), BANDED_MIN_CHUNK)
     return reach, chunk
 
 
-def banded_window(band_width, m, e):
+def banded_window(band_width, m, e, near=False):
     """Per-token cost proxy of the banded algorithm, in keys of a dense row."""
-    reach, chunk = banded_chunking(band_width)
+    reach, chunk = banded_chunking(band_width, near)
     return (2 * reach + 1) * chunk + 2 * m * e / (m + e)

@@ -85,13 +85,13 @@ def resolve_algorithm(algorithm, bias, n, band_width, m, e, inference=False, nea
     if algorithm != "auto":
         return algorithm, band_width
     crossovers = CROSSOVERS["torch"]  # "auto" reaches here only for the PyTorch algorithms
-    reach, chunk = banded_chunking(band_width)
+    reach, chunk = banded_chunking(band_width, near)
     has_band = (2 * reach + 1) * chunk < n
     if has_band:
         factor = crossovers.dense_factor_compiled if torch.compiler.is_compiling() else crossovers.dense_factor
         factor = crossovers.dense_factor_inference if inference else factor
         factor = crossovers.dense_factor_near if near else factor
-        return ("dense" if n <= factor * banded_window(band_width, m, e) else "banded"), band_width
+        return ("dense" if n <= factor * banded_window(band_width, m, e, near) else "banded"), band_width
     return ("fft" if n >= crossovers.fft_min_length else "dense"), band_width
 
 
