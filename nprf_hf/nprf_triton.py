@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from torch.autograd.function import once_differentiable
 
-from .nprf_banded import _free_library
+from .nprf_banded_window import _free_library
 from .nprf_features import NORM_EPS
 
 

@@ -9,7 +9,7 @@ import torch
 from conftest import tiny_nprf_config
 from tolerances import PROBABLE, assert_within, attention_rounding, model_rounding, unit_roundoff
 
-from nprf_hf import NPRFBertConfig, NPRFBertModel, nprf_banded, nprf_dispatch
+from nprf_hf import NPRFBertConfig, NPRFBertModel, nprf_banded, nprf_banded_window, nprf_dispatch
 from nprf_hf import functional as Fn
 from nprf_hf.nprf_naive import naive_attention
 from nprf_hf.nprf_terms import (
@@ -27,7 +27,7 @@ BUCKETS, DISTANCE = 8, 12  # a band of 7 (bidirectional): with chunks of 6, many
 def small_chunks(monkeypatch):
     """Chunks of 6 and groups of 3 chunks: the chunked window product, its groups and the far sums at small n."""
     monkeypatch.setattr(nprf_banded, "BANDED_MIN_CHUNK", 2)
-    monkeypatch.setattr(nprf_banded, "BANDED_GROUP", 3)
+    monkeypatch.setattr(nprf_banded_window, "BANDED_GROUP", 3)
 
 
 def case(n, batch=3, heads=2, d=6, m=5, seed=0):

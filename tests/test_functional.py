@@ -7,7 +7,7 @@ import torch
 from transformers.models.t5.modeling_t5 import T5Attention
 
 from nprf_hf import functional as Fn
-from nprf_hf import nprf_banded, nprf_dense, nprf_dispatch, nprf_fft
+from nprf_hf import nprf_banded, nprf_banded_window, nprf_dense, nprf_dispatch, nprf_fft
 from nprf_hf.nprf_naive import naive_attention
 
 from tolerances import (PROBABLE, assert_within, attention_rounding, normalized_product_bound,
@@ -942,10 +942,10 @@ def test_band_window_product_op_registration():
     u_rows = torch.randn(sequences, (chunks + 2) * chunk, e, dtype=torch.float64, generator=generator, requires_grad=True)
     for trained in (True, False):
         coefficients = torch.rand(heads, chunk, window, dtype=torch.float64, generator=generator).requires_grad_(trained)
-        torch.library.opcheck(nprf_banded.band_window_product, (q, k_rows, u_rows, coefficients))
+        torch.library.opcheck(nprf_banded_window.band_window_product, (q, k_rows, u_rows, coefficients))
     grad_out = torch.randn(sequences * chunks, chunk, e, dtype=torch.float64, generator=generator)
     for needs in (True, False):
-        torch.library.opcheck(nprf_banded.band_window_product_backward,
+        torch.library.opcheck(nprf_banded_window.band_window_product_backward,
                               (q.detach(), k_rows.detach(), u_rows.detach(), coefficients.detach(), grad_out, needs))
 
 
@@ -954,16 +954,16 @@ def test_a_second_copy_of_the_banded_module_registers_its_own_ops():
     free library name instead of failing to register, and compute the same."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(nprf_banded.__name__, nprf_banded.__file__)
+    spec = importlib.util.spec_from_file_location(nprf_banded_window.__name__, nprf_banded_window.__file__)
     copy = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(copy)
-    assert copy._LIBRARY != nprf_banded._LIBRARY and copy._LIBRARY.startswith(nprf_banded._LIBRARY)
+    assert copy._LIBRARY != nprf_banded_window._LIBRARY and copy._LIBRARY.startswith(nprf_banded_window._LIBRARY)
     generator = torch.Generator().manual_seed(1)
     q = torch.randn(6, 2, 3, generator=generator)
     k_rows, u_rows = torch.randn(2, 10, 3, generator=generator), torch.randn(2, 10, 4, generator=generator)
     coefficients = torch.rand(1, 2, 6, generator=generator)
     torch.testing.assert_close(copy.band_window_product(q, k_rows, u_rows, coefficients),
-                               nprf_banded.band_window_product(q, k_rows, u_rows, coefficients), rtol=0, atol=0)
+                               nprf_banded_window.band_window_product(q, k_rows, u_rows, coefficients), rtol=0, atol=0)
 
 
 def test_auto_reads_its_crossovers_from_the_backend_table(monkeypatch):

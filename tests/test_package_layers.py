@@ -12,7 +12,7 @@ PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # A new module must be given a layer here: where it sits is a design decision, not an accident.
 LAYERS = {
     "declarations": ("options", "families", "hub", "checkpoint_files"),  # torch-free: the CLI reads them without torch
-    "math": ("nprf_cpu_threads", "nprf_cpu_split", "nprf_positions", "nprf_features", "nprf_dense", "nprf_fft", "nprf_near_field", "nprf_banded_far", "nprf_banded", "nprf_banded_recompute",
+    "math": ("nprf_cpu_threads", "nprf_cpu_split", "nprf_positions", "nprf_features", "nprf_dense", "nprf_fft", "nprf_near_field", "nprf_banded_far", "nprf_banded_window", "nprf_banded", "nprf_banded_recompute",
              "nprf_terms", "nprf_naive", "nprf_triton", "nprf_triton_kernels",
              "nprf_triton_decode", "nprf_dispatch", "functional",
              "nprf_recurrent", "nprf_context_parallel"),
