@@ -59,6 +59,51 @@ def _kernel_inputs(phi_q, phi_k, near):
     return phi_q, phi_k, near.query, near.key, near.width, near.key_mask, False
 
 
+def _far_blocks(n, length, width):
+    """(rows, keys) slices of the two corner blocks of an [n, length] kernel that hold every pair with
+    |j - i| >= width: 2 (n - W)^2 of its n^2 pairs; every pair outside them is near. Below n = 2 W they would
+    overlap (and most pairs are far): the whole kernel then."""
+    if 2 * width < n:
+        return [(slice(0, n), slice(0, length))]
+    blocks = []
+    if length > width:  # j - i >= W: queries before length - W, keys from W on
+        blocks.append((slice(0, length - width), slice(width, length)))
+    if n > width:  # i - j >= W: queries from W on, keys before n - W
+        blocks.append((slice(width, n), slice(0, min(n - width, length))))
+    return blocks
+
+
+def _feature_scores(phi_q, phi_k, width, out):
+    """out [h, n, l] = phi_q phi_k^T for phi_q [h, n, m], phi_k [h, l, m]; with a near-field `width` only on
+    `_far_blocks`, zero elsewhere (there every pair is near: its feature score meets a zero far coefficient)."""
+    if width is None:
+        return torch.matmul(phi_q, phi_k.transpose(-1, -2), out=out)
+    out.zero_()
+    for rows, keys in _far_blocks(out.shape[-2], out.shape[-1], width):
+        out[:, rows, keys] = phi_q[:, rows] @ phi_k[:, keys].transpose(-1, -2)
+    return out
+
+
+def _feature_grads(grad_scores, phi_q, phi_k, width, grad_q, grad_k):
+    """grad_q = grad_scores phi_k [h, n, m], grad_k = grad_scores^T phi_q [h, l, m] (None: not needed); with a
+    near-field `width` from `_far_blocks` alone (grad_scores is zero elsewhere)."""
+    if width is None:
+        if grad_q is not None:
+            torch.matmul(grad_scores, phi_k, out=grad_q)
+        if grad_k is not None:
+            torch.matmul(grad_scores.transpose(-1, -2), phi_q, out=grad_k)
+        return
+    for grad in (grad_q, grad_k):
+        if grad is not None:
+            grad.zero_()
+    for rows, keys in _far_blocks(grad_scores.shape[-2], grad_scores.shape[-1], width):
+        block = grad_scores[:, rows, keys]
+        if grad_q is not None:
+            grad_q[:, rows] += block @ phi_k[:, keys]
+        if grad_k is not None:
+            grad_k[:, keys] += block.transpose(-1, -2) @ phi_q[:, rows]
+
+
 def _near_toeplitz(c, n, width):
     """(C far, C near) [H, n, n]: C without, and only, the pairs closer than `width` (C alone without a width)."""
     toeplitz = toeplitz_matrix(c, n)
@@ -94,7 +139,7 @@ def _dense_forward(phi_q, phi_k, q_near, k_near, width, key_mask, exponential, v
         for first in range(0, heads, group):
             last = min(first + group, heads)
             weights = weights_buffer[: (last - first) * n * length].view(last - first, n, length)
-            torch.matmul(phi_q[b, first:last], phi_k[b, first:last, :length].transpose(-1, -2), out=weights)
+            _feature_scores(phi_q[b, first:last], phi_k[b, first:last, :length], width, weights)
             if exponential:  # the exact kernel: zero for padded keys
                 weights.exp_()
                 if key_mask is not None:
@@ -197,7 +242,7 @@ class _DenseToeplitzProduct(torch.autograd.Function):
                 scale = toeplitz[heads_, :, :length]
                 product = products[: (last - first) * n * length].view(last - first, n, length)
                 grad_weights = weights_buffer[: (last - first) * n * length].view(last - first, n, length)
-                torch.matmul(q, k.transpose(-1, -2), out=product)
+                _feature_scores(q, k, ctx.width, product)
                 if ctx.exponential:  # the exact kernel exp(q . k) (zero for padded keys)
                     product.exp_()
                     if key_mask is not None:
@@ -231,10 +276,8 @@ class _DenseToeplitzProduct(torch.autograd.Function):
                 grad_weights.mul_(scale)  # dL/d(phi_q_i . phi_k_j)
                 if ctx.exponential:  # dL/d(q_i . k_j) = dL/dkernel_ij kernel_ij
                     grad_weights.mul_(product)
-                if need_q:
-                    torch.matmul(grad_weights, k, out=grad_q[b, heads_])
-                if need_k:
-                    torch.matmul(grad_weights.transpose(-1, -2), q, out=grad_k[b, heads_, :length])
+                _feature_grads(grad_weights, q, k, ctx.width, grad_q[b, heads_] if need_q else None,
+                               grad_k[b, heads_, :length] if need_k else None)
 
         parallel_items(batch, sequence_backward, phi_q.device, static=True)
         grad_c = None
