@@ -202,17 +202,18 @@ def _nprf_attention(call, route):
     # The near field inside the product where it can read it (the pair terms scale the keys it is given, which the
     # exact kernel's keys would miss); else the band's correction of the product's sums.
     product = toeplitz_product(route, inference)
-    near_field = None
+    reads_near = near and product.near and not terms.pair_terms
     band_width = route.band_width
-    if near and product.near and not terms.pair_terms:
-        near_field = near_field_inputs(query, key, mask, logit_scale, near_width, dtype)
-        band_width = max(band_width or near_width, near_width)  # the banded window must hold the near pairs
+    if reads_near:  # the banded window must hold the near pairs
+        band_width = max(band_width or near_width, near_width)
     lengths = key_lengths(mask, batch, n) if product.in_cache else None  # (a host sync)
-    if near_field is not None and product.in_cache and near_width >= n:  # every pair near: no features to compute
+    units = []  # the near field's unit vectors: the feature map computes them anyway
+    if reads_near and product.in_cache and near_width >= n:  # every pair near: no features to compute
         phi_q = phi_k = None
     else:
         phi_q, phi_k = query_key_features(query, key, call.projection, mask, dtype, logit_scale, product.head_major,
-                                          call.variant)
+                                          call.variant, units if reads_near else None)
+    near_field = near_field_inputs(query, key, mask, logit_scale, near_width, dtype, units) if reads_near else None
     if product.in_cache and not terms.pair_terms and (near_field is not None or not near):  # it divides in cache too
         return product.run(ToeplitzCall(phi_q, phi_k, value, c, lengths=lengths, normalized=True, near=near_field)
                            ).to(query.dtype)

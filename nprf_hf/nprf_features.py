@@ -70,9 +70,10 @@ def positive_random_features(x, projection):
     return _feature_exponent(_project(x, projection), squared_norm, projection.shape[-2])
 
 
-def normalized_features(x, projection, logit_scale=None, head_major=False):
+def normalized_features(x, projection, logit_scale=None, head_major=False, with_units=False):
     """phi(sqrt(s) x / |x|) for x [B, H, n, d] (zero rows stay zero, as in F.normalize). `logit_scale` s [H]
-    (None = 1) scales both sides, so phi(q).phi(k) estimates exp(s q.k).
+    (None = 1) scales both sides, so phi(q).phi(k) estimates exp(s q.k). `with_units`: (phi, sqrt(s) x / |x|),
+    the unit vectors that the exact near field's logits need too.
 
     head_major: (a per-head projection [H, m, d]) the features are a [B, H, n, m] view of [H, B, n, m]
         storage: one matmul per head over every sequence, without a copy of the projection per sequence;
@@ -92,12 +93,15 @@ def normalized_features(x, projection, logit_scale=None, head_major=False):
         scaled = x.new_empty(heads, batch, n, d)  # x_hat, written once in head-major order (cheaper than W x when d < m)
         torch.mul(x.transpose(0, 1), inverse.transpose(0, 1), out=scaled)
         wx = torch.bmm(scaled.view(heads, batch * n, d), projection.transpose(-1, -2)).view(heads, batch, n, num_features)
-        return wx.sub_(shift.transpose(0, 1)).exp_().transpose(0, 1)
+        features = wx.sub_(shift.transpose(0, 1)).exp_().transpose(0, 1)
+        return (features, scaled.transpose(0, 1)) if with_units else features
     # x_hat first, not (W x) / |x|: in training the product's backward then needs only x (the projection's
     # output, kept anyway) and not a copy of W x; and with d <= m it is the smaller tensor to scale. Adding the
     # negated shift rather than subtracting it: backward then negates the [B, H, n, 1] sum, not the [B, H, n, m]
     # gradient (a pass over the features that short inputs feel).
-    return _project(x * inverse, projection).add_(-shift).exp_()
+    units = x * inverse
+    features = _project(units, projection).add_(-shift).exp_()
+    return (features, units) if with_units else features
 
 
 def empty_like_query(query, dv, dtype=None):
@@ -153,12 +157,16 @@ def variant_features(x, projection, variant="nprf", logit_scale=None):
     raise ValueError(f"variant={variant!r} has no feature map; those with one: nprf, prf, elu_linear")
 
 
-def query_key_features(query, key, projection, mask, dtype, logit_scale=None, head_major=False, variant="nprf"):
+def query_key_features(query, key, projection, mask, dtype, logit_scale=None, head_major=False, variant="nprf",
+                       units=None):
     """phi(q_hat), phi(k_hat) [B, H, n, m] in `dtype` (the variant's feature map), padded keys zeroed (after the
-    map: phi(0) != 0)."""
+    map: phi(0) != 0). `units`: a list that gets the unit vectors sqrt(s) q / |q|, sqrt(s) k / |k| ("nprf_near")."""
     if variant in ("nprf", "nprf_near"):
-        phi_q = normalized_features(query.to(dtype), projection, logit_scale, head_major)
-        phi_k = normalized_features(key.to(dtype), projection, logit_scale, head_major)
+        phi_q = normalized_features(query.to(dtype), projection, logit_scale, head_major, units is not None)
+        phi_k = normalized_features(key.to(dtype), projection, logit_scale, head_major, units is not None)
+        if units is not None:
+            (phi_q, q_unit), (phi_k, k_unit) = phi_q, phi_k
+            units.extend((q_unit, k_unit))
     else:
         phi_q, phi_k = (variant_features(x.to(dtype), projection, variant) for x in (query, key))
     if mask is not None:  # in place when autograd does not need the features as they are

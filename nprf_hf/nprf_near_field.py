@@ -32,9 +32,12 @@ class NearField(NamedTuple):
     key_mask: Optional[torch.Tensor] = None
 
 
-def near_field_inputs(query, key, mask, logit_scale, width, dtype):
-    """The `NearField` of query, key [B, H, n, d] (in `dtype`), mask [B, n] float (1 = keep) or None."""
-    return NearField(scaled_unit(query.to(dtype), logit_scale), scaled_unit(key.to(dtype), logit_scale), width, mask)
+def near_field_inputs(query, key, mask, logit_scale, width, dtype, units=()):
+    """The `NearField` of query, key [B, H, n, d] (in `dtype`), mask [B, n] float (1 = keep) or None; `units`: their
+    unit vectors sqrt(s) x / |x| if the feature map computed them already."""
+    if not units:
+        units = scaled_unit(query.to(dtype), logit_scale), scaled_unit(key.to(dtype), logit_scale)
+    return NearField(*units, width, mask)
 
 
 def split_near(coefficients, distance, width):
