@@ -18,7 +18,7 @@ from .nprf_dense import dense_toeplitz_attention, dense_toeplitz_inference, dens
 from .nprf_features import compute_dtype
 from .nprf_fft import fft_kernel, fft_toeplitz_attention, fft_toeplitz_inference
 from .nprf_positions import infer_band_width
-from .nprf_triton import disable_triton, log_fallback_once, triton_attention, triton_cannot_run, triton_unfused
+from .nprf_triton import log_fallback_once, triton_attention, triton_cannot_run, triton_unfused
 from .options import NEAR_FIELD_VARIANTS
 
 
@@ -41,14 +41,14 @@ CROSSOVERS = {"torch": Crossovers(1.7, 1.0, 1.6, 8192, "2-core CPU, torch 2.13 (
 KERNEL_OF_DEVICE = {"cuda": "triton"}
 
 
-def kernel_or_auto(algorithm, query, projection, variant, terms):
+def kernel_or_auto(algorithm, query, projection, variant, terms, kernels=True):
     """"triton" where the fused kernels can run this call ("auto": on a CUDA device, eager or under torch.compile,
     which traces the kernels' custom ops), else "auto" (any other algorithm is returned as it is: the user chose
     PyTorch's). An explicit "triton" where Triton cannot run is an error; a call with something the kernels do not
-    fuse runs the PyTorch algorithms, said once in the log."""
+    fuse runs the PyTorch algorithms, said once in the log; so does "auto" without `kernels` (they failed on it)."""
     if algorithm not in ("auto", "triton"):
         return algorithm
-    if algorithm == "auto" and KERNEL_OF_DEVICE.get(query.device.type) != "triton":
+    if algorithm == "auto" and (not kernels or KERNEL_OF_DEVICE.get(query.device.type) != "triton"):
         return "auto"
     reason = triton_cannot_run(query)
     if reason is not None and algorithm == "triton":
@@ -222,15 +222,16 @@ PRODUCTS = {
 BACKEND_OF = {"triton": ("triton", "banded")}  # algorithm -> (backend, algorithm) where it is not PyTorch's
 
 
-def choose_route(call, requested):
-    """The `Route` of `call`, whose algorithm is `requested` ("auto", "triton" or one of PyTorch's)."""
+def choose_route(call, requested, kernels=True):
+    """The `Route` of `call`, whose algorithm is `requested` ("auto", "triton" or one of PyTorch's); `kernels=False`:
+    "auto" among PyTorch's algorithms only."""
     query, value, bias, projection, terms = call.query, call.value, call.bias, call.projection, call.terms
     batch, heads, n, _ = query.shape
     m = projection.shape[-2]
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (query, call.key, value, bias, projection, *terms.tensors())
     )
-    algorithm = kernel_or_auto(requested, query, projection, call.variant, terms)
+    algorithm = kernel_or_auto(requested, query, projection, call.variant, terms, kernels)
     algorithm, band_width = resolve_algorithm(
         algorithm, bias, n, call.band_width, m, value.shape[-1] + 1, inference=not needs_grad,
         near=call.variant in NEAR_FIELD_VARIANTS,
@@ -261,7 +262,7 @@ def toeplitz_product(route, inference):
 def run_attention(call, route, pipeline):
     """z [B, H, n, d_v] of `call` by `route`: its whole-attention row, or `pipeline(call, route)` (functional's features,
     product and division), under activation checkpointing for the mode "checkpoint". Kernels that "auto" chose and
-    that fail on this device are turned off for the process (said once), and the call runs the PyTorch algorithms."""
+    that fail make this call run the PyTorch algorithms (said once): nothing is switched off for later calls."""
     if route.mode == "checkpoint":
         # No random numbers inside: the recomputation repeats the forward exactly without saving RNG state. (The
         # pipeline reads the masked bias alone: the unmasked one, a copy for half inputs, is not kept per layer.)
@@ -274,5 +275,5 @@ def run_attention(call, route, pipeline):
     except Exception as error:  # noqa: BLE001
         if route.backend != "triton" or route.requested == "triton" or isinstance(error, torch.OutOfMemoryError):
             raise  # (an out-of-memory error: PyTorch's path needs more)
-        disable_triton(f"the kernels failed here ({type(error).__name__}: {error})")
-        return run_attention(call, choose_route(call, "auto"), pipeline)
+        log_fallback_once(f"the kernels failed here ({type(error).__name__}: {error})")
+        return run_attention(call, choose_route(call, "auto", kernels=False), pipeline)

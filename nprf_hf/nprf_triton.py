@@ -34,7 +34,6 @@ logger = logging.getLogger(__name__)
 BLOCK = 64
 NUM_WARPS = 4
 _told = set()  # the fallback reasons already logged
-_disabled = []  # why the kernels failed in this process, if they did
 
 
 def triton_available():
@@ -50,16 +49,8 @@ def interpreting():
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def disable_triton(reason):
-    """Stop "auto" from choosing the kernels in this process (they failed here), and say why once."""
-    _disabled.append(reason)
-    log_fallback_once(reason)
-
-
 def triton_cannot_run(query):
     """None where the kernels can run on query's device, else why not."""
-    if _disabled:
-        return _disabled[0]
     if not triton_available():
         return "Triton does not import (pip install triton)"
     if not (query.is_cuda or interpreting()):
@@ -76,7 +67,7 @@ _probed = {}  # (device, dtype) -> None where the kernels ran there, else why no
 def kernels_fail_on(device, dtype):
     """None where the kernels build and run on `device` in `dtype`, else why not: a tiny forward and backward, once
     per process, run while torch.compile traces (a failure inside a compiled graph could not fall back, as an eager
-    call does); a failure turns the kernels off for the process (`disable_triton`)."""
+    call does); a failure is said once and keeps the compiled calls on that device and dtype on PyTorch's path."""
     if (device, dtype) not in _probed:
         try:
             with torch.enable_grad():
@@ -87,7 +78,7 @@ def kernels_fail_on(device, dtype):
             _probed[device, dtype] = None
         except Exception as error:  # noqa: BLE001
             _probed[device, dtype] = f"the kernels failed here ({type(error).__name__}: {error})"
-            disable_triton(_probed[device, dtype])
+            log_fallback_once(_probed[device, dtype])
     return _probed[device, dtype]
 
 

@@ -285,12 +285,12 @@ def test_remote_code_imports_only_torch_transformers_and_the_standard_library():
 
 
 def test_auto_falls_back_once_when_the_kernels_fail_on_the_device(monkeypatch, caplog):
-    """"auto" picks the kernels on a CUDA device; should they fail to build there, the call (and every later one)
-    runs the PyTorch algorithms with one log line; an explicit "triton" raises the error instead."""
+    """"auto" picks the kernels on a CUDA device; should they fail to build there, the call runs the PyTorch
+    algorithms with one log line, and a later call tries the kernels again (nothing is switched off for the process);
+    an explicit "triton" raises the error instead."""
     from nprf_hf import nprf_dispatch
 
     monkeypatch.setattr(nprf_dispatch, "KERNEL_OF_DEVICE", {"cpu": "triton"})  # the CPU plays the CUDA device
-    monkeypatch.setattr(nprf_triton, "_disabled", [])
     monkeypatch.setattr(nprf_triton, "_told", set())
     attempts = []
 
@@ -307,7 +307,7 @@ def test_auto_falls_back_once_when_the_kernels_fail_on_the_device(monkeypatch, c
         Fn.nprf_attention(q, k, v, bias, projection, mask, algorithm="triton")
     with caplog.at_level(logging.WARNING, logger="nprf_hf.nprf_triton"):
         outs = [Fn.nprf_attention(q, k, v, bias, projection, mask) for _ in range(2)]
-    assert len(attempts) == 2  # the explicit call, then auto's first; not auto's second
+    assert len(attempts) == 3  # the explicit call, then each of auto's
     said = [r.getMessage() for r in caplog.records if "PTX assembly failed" in r.getMessage()]
     assert len(said) == 1
     ref = naive_attention(q, k, v, bias, projection, mask)
@@ -440,12 +440,11 @@ def test_compiled_calls_run_the_kernels_without_a_graph_break(causal):
 @pytest.mark.filterwarnings("ignore:Your compiler for AOTAutograd")
 def test_compiled_auto_falls_back_without_a_graph_break(monkeypatch, caplog):
     """Compiled (fullgraph=True), "auto" on a CUDA device (the CPU plays one) keeps eager's fallbacks: unfused terms
-    run the PyTorch algorithms, and kernels that fail on the device (found by a tiny call while tracing) are turned
-    off for the process; each said once in the log."""
+    run the PyTorch algorithms, and kernels that fail on the device (found by a tiny call while tracing, once per
+    device and dtype) keep the compiled calls there on PyTorch's path; each said once in the log."""
     from nprf_hf import nprf_dispatch
 
     monkeypatch.setattr(nprf_dispatch, "KERNEL_OF_DEVICE", {"cpu": "triton"})
-    monkeypatch.setattr(nprf_triton, "_disabled", [])
     monkeypatch.setattr(nprf_triton, "_told", set())
     monkeypatch.setattr(nprf_triton, "_probed", {})
     q, k, v, bias, projection, mask, segments, beta, width = segment_case(13)
@@ -463,7 +462,7 @@ def test_compiled_auto_falls_back_without_a_graph_break(monkeypatch, caplog):
         plain = compiled(q, k, v)
     said = [r.getMessage() for r in caplog.records if "Triton kernels do not run" in r.getMessage()]
     assert len(said) == 2 and "segment_bias" in said[0] and "ZeroDivisionError" in said[1]
-    assert "ZeroDivisionError" in nprf_triton._disabled[0]
+    assert "ZeroDivisionError" in nprf_triton._probed[q.device, q.dtype]
     want = naive_attention(q, k, v, bias, projection, mask, segment_ids=segments, segment_bias=beta)
     assert relative_error(segmented, want) < 1e-5
     assert relative_error(plain, naive_attention(q, k, v, bias, projection, mask)) < 1e-5
