@@ -165,8 +165,7 @@ class TokenMatch(AttentionTerm):
     summed per (token, segment) group and each query reads the groups of its own token in the other segments."""
 
     field, parameter, name = "token_match", "token_match_weight", "the word-matching term"
-    causal = False
-    tensor_fields, batch_fields = ("weight",), ("token_ids", "segment_ids")
+    causal, tensor_fields, batch_fields = False, ("weight",), ("token_ids", "segment_ids")
 
     def __init__(self, token_ids, weight, segment_ids):
         """token_ids, segment_ids [B, n] integer; weight [H] >= 0."""
@@ -176,7 +175,8 @@ class TokenMatch(AttentionTerm):
     def of_layer(cls, attention, inputs):
         if attention.token_match_weight is None or inputs.get("token_ids") is None or inputs.get("segment_ids") is None:
             return None
-        return cls(inputs["token_ids"], attention.token_match_weight.clamp_min(0.0), inputs["segment_ids"])
+        weight = attention.token_match_weight  # `where`: clamp_min's gradient at 0, its start, is 0 in torch 2.14
+        return cls(inputs["token_ids"], torch.where(weight >= 0, weight, 0.0), inputs["segment_ids"])
 
     def check(self, batch, heads, n):
         _check_ids(self.token_ids, batch, n, "token_ids")
