@@ -282,11 +282,14 @@ def _weights(query, key, bias, projection, mask, causal, terms, variant, near_fi
     if variant in QUADRATIC_VARIANTS:
         kernel = exact_kernel(query.to(dtype), key.to(dtype), mask, causal, terms.logit_scale, variant)
     else:
-        phi_q, phi_k = query_key_features(query, key, projection, mask, dtype, terms.logit_scale, variant=variant)
-        kernel = phi_q @ phi_k.transpose(-1, -2)
-        if variant in NEAR_FIELD_VARIANTS:
-            near = near_field_inputs(query, key, mask, terms.logit_scale, near_field_width, dtype)
+        near, units = variant in NEAR_FIELD_VARIANTS, []  # (the feature map's unit vectors serve the near field)
+        phi_q, phi_k = query_key_features(query, key, projection, mask, dtype, terms.logit_scale, variant=variant,
+                                          units=units if near else None)
+        if near:  # (its kernel computes phi_q phi_k^T beyond the band itself)
+            near = near_field_inputs(query, key, mask, terms.logit_scale, near_field_width, dtype, units)
             kernel = near_field_kernel(phi_q, phi_k, near)
+        else:
+            kernel = phi_q @ phi_k.transpose(-1, -2)
     weights = terms.weights(kernel, toeplitz_matrix(c, n), shift, dtype)
     return normalize_attention(weights, weights.sum(-1, keepdim=True))
 
