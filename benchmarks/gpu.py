@@ -1,18 +1,21 @@
-"""The GPU benchmark of issue 43, in one run that fits one device loan (about 8 minutes on an H100):
+"""The GPU benchmark of issues 43 and 55, in one run that fits one device loan (at most 8 minutes):
 
 1. a check of the kernels on the device against the float64 reference (values and gradients, fp32 and bf16,
    padding, causal; the decode step), so that nothing wrong is timed;
 2. attention alone (B = 1, H = 12, d = 64, m = 64, T5's default buckets), forward and forward + backward, the
    Triton kernels (`algorithm="triton"`) against SDPA (its flash kernel in bf16), 1,024 to 65,536 tokens, with the
    kernels' achieved TFLOP/s and the share of the device's nominal bf16 peak, and each call replayed from a CUDA
-   graph (the device's time alone: what is left when no Python launches the kernels), and forward + backward with
-   the bias table trained (a model's case) by either way of summing its gradient (`nprf_triton.DIAGONAL_SUMS`);
+   graph (the device's time alone: what is left when no Python launches the kernels), the share of issue 55's
+   roofline bound that forward + backward reaches (`roofline`: useful FLOPs or bytes, whichever binds), and
+   forward + backward with the bias table trained (a model's case) by either way of summing its gradient
+   (`nprf_triton.DIAGONAL_SUMS`);
 3. a whole RoBERTa-base-sized masked LM (12 layers, 768 wide; NPRF with `attention_algorithm="auto"`, which is the
    kernels on CUDA) against the same model with SDPA softmax: forward and training step (forward, loss, backward)
    at 32 x 128, 8 x 512, 1 x 4,096 and 1 x 16,384, with peak memory;
 4. the model of 3, both `torch.compile`d (inductor, mode="reduce-overhead": CUDA graphs, no Python per kernel launch;
-   the kernels are custom ops, traced without a graph break): training step and forward at 8 x 512, 32 x 128,
-   1 x 16,384 and 1 x 4,096 as the time allows, with each compile's time and the graph breaks dynamo counted;
+   the kernels are custom ops, traced without a graph break): training step and forward at 1 x 16,384 (always),
+   then 8 x 512, 32 x 128 and 1 x 4,096 as the time allows, with each compile's time, the graph breaks dynamo
+   counted and the training step's peak memory;
 5. decoding, time per token at 512 and 8,192 tokens of context, batch 1 and 16: the NPRF decoder's constant-size
    cache against softmax's growing one.
 
@@ -27,6 +30,7 @@ device named) and a plot:
 """
 
 import argparse
+import logging
 import os
 import sys
 import time
@@ -48,7 +52,8 @@ FULL = dict(lengths=(1024, 2048, 4096, 8192, 16384, 32768, 65536), heads=12, hea
             tiles=((32, 4), (64, 8)),  # besides the default (64 rows, 4 warps); 128 rows overflow shared memory
 
             # the launch-bound points (eager NPRF 1.64-1.79x SDPA's training step there); inductor with CUDA graphs
-            compiled_points=((8, 512), (32, 128), (1, 16384), (1, 4096)), compile_backend="inductor",
+            # (16,384 first: issue 55's compiled-step target, <= 0.4x SDPA, with its memory, is always measured)
+            compiled_points=((1, 16384), (8, 512), (32, 128), (1, 4096)), compile_backend="inductor",
             # the device's check in bf16 alone: fp32 products are FMA loops there, whose compiles take minutes
             # (tf32: fp32 inputs with torch's TF32 matmuls allowed, the kernels' TF32 products)
             compile_mode="reduce-overhead", check_lengths=(1000,), check_batch=2, check_dtypes=("bfloat16", "tf32"),
@@ -114,6 +119,42 @@ def attention_flops(n, s, train):
     blocks = 2 * (-(-(rpe_band_width() - 1) // BLOCK)) + 1
     per_row = 2 * d * m * (2 + blocks) + 2 * m * d + 2 * 2 * m * d + blocks * BLOCK * 2 * (m + d)
     return h * n * per_row * (3.5 if train else 1.0)
+
+
+def roofline(n, s, device, causal=False):
+    """Issue 55's lower bound of one attention layer's forward + backward at n tokens (B = 1): the useful FLOPs and
+    bytes of a design that does each piece of work once, and the time the device's nominal peaks allow, whichever
+    binds. Per head and token, forward: the features of q and k (2 x 2dm), the block states (2m(d + 1)) and their
+    far reads (2m(d + 1) per direction), the band of 2W - 1 keys (2(m + d) a pair); backward 2x forward (a chain of
+    products' gradients). Bytes, bf16: forward reads q, k, v and writes z and the features (stored once, read again
+    by backward), backward reads q, k, v, z, dz and the features and writes dq, dk, dv; plus a denominator (fp32)
+    each way. (The issue's own estimate, 5.7 MFLOP and 44 KB a token for 12 heads, counts its tiles' padding and the
+    fp32 states too: this bound is the lower one.) Returns {flops, bytes, bound_s, binds} (bound_s None where the
+    device's peaks are not known)."""
+    from nprf_hf.nprf_positions import rpe_band_width
+
+    d, m, h = s["head_dim"], s["features"], s["heads"]
+    band = rpe_band_width() if causal else 2 * rpe_band_width() - 1
+    directions = 1 if causal else 2
+    forward = 2 * 2 * d * m + 2 * m * (d + 1) * (1 + directions) + band * 2 * (m + d)
+    flops = 3 * forward * h * n
+    element = 2  # bf16
+    per_token = element * ((3 + 1) * d + 2 * m + (5 * d + 2 * m) + 3 * d) + 2 * 4
+    total_bytes = per_token * h * n
+    peaks = next((v for k, v in PEAKS.items() if k in device_name(device)), None)
+    if peaks is None:
+        return dict(flops=flops, bytes=total_bytes, bound_s=None, binds=None)
+    times = {"flops": flops / (peaks[0] * 1e12), "bytes": total_bytes / (peaks[1] * 1e12)}
+    binds = max(times, key=times.get)
+    return dict(flops=flops, bytes=total_bytes, bound_s=times[binds], binds=binds)
+
+
+def roofline_fractions(row, bound):
+    """The roofline bound over the kernels' forward + backward time, graphed (the device's time) and eager."""
+    if bound["bound_s"] is None:
+        return {}
+    return {f"roofline_fraction_{kind}": bound["bound_s"] / row[key] for kind, key in (
+        ("graphed", "nprf_train_graphed_s"), ("eager", "nprf_train_s")) if row.get(key)}
 
 
 def attention_part(s, device, dtype, log):
@@ -188,6 +229,8 @@ def attention_part(s, device, dtype, log):
                 log(f"bias gradient by {label} n={n} failed: {type(error).__name__}: {str(error)[:300]}")
         nprf_triton.DIAGONAL_SUMS = default
         q.grad = k.grad = v.grad = None
+        row["roofline"] = roofline(n, s, device)
+        row.update(roofline_fractions(row, row["roofline"]))
         for mode in ("forward", "train"):
             row[f"speedup_{mode}"] = row[f"sdpa_{mode}_s"] / row[f"nprf_{mode}_s"]
             row[f"nprf_{mode}_tflops"] = attention_flops(n, s, mode == "train") / row[f"nprf_{mode}_s"] / 1e12
@@ -202,11 +245,33 @@ def attention_part(s, device, dtype, log):
             f"fwd+bwd {_ms(row.get('nprf_train_graphed_s'))} / {_ms(row.get('sdpa_train_graphed_s'))} ms; with the bias "
             "gradient, fwd+bwd eager (graphed) " + ", ".join(f"{label} {_ms(t['train_s'])} ({_ms(t['train_graphed_s'])})"
                                                             for label, t in row["bias_grad"].items()) + " ms")
+        bound = row["roofline"]
+        log(f"roofline n={n}: {bound['flops'] / 1e9:.1f} GFLOP, {bound['bytes'] / 1e6:.0f} MB, bound "
+            f"{_ms(bound['bound_s'])} ms ({bound['binds']} bind); NPRF fwd+bwd at "
+            + ", ".join(f"{row[key]:.1%} of it {key.rsplit('_', 1)[1]}" for key in ("roofline_fraction_graphed",
+                                                                                  "roofline_fraction_eager")
+                        if key in row))
     return rows
 
 
 def _ms(seconds):
     return "-" if seconds is None else f"{seconds * 1e3:.3f}"
+
+
+def _mb(count):
+    return "-" if count is None else f"{count / 2 ** 20:.0f}"
+
+
+class FallbackReasons(logging.Handler):
+    """The reasons the kernels' fallback log line gave (`nprf_triton.log_fallback_once`, once per reason and
+    process): "auto" ran the PyTorch algorithms instead."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.reasons = set()
+
+    def emit(self, record):
+        self.reasons.update(str(arg) for arg in (record.args or ())[:1])
 
 
 class tf32_matmuls:
@@ -394,6 +459,7 @@ def compiled_part(s, device, dtype, log):
                     row[f"{name}_{mode}_compile_s"] = timed(fn, device)[0]
                     row[f"{name}_{mode}_graph_breaks"] = sum(counters["graph_break"].values()) - breaks
                     row[f"{name}_{mode}_s"] = median_time(fn, device, s["repeats"])
+                row[f"{name}_train_peak_bytes"] = peak_bytes(train_step, device)
             except Exception as error:  # noqa: BLE001  (one device call: keep the other model's numbers)
                 row[f"{name}_error"] = f"{type(error).__name__}: {error}"[:2000]
                 log(f"compiled {name} {batch}x{n} failed: {row[f'{name}_error'][:500]}")
@@ -406,7 +472,8 @@ def compiled_part(s, device, dtype, log):
             log(f"compiled model {batch}x{n}: training step NPRF {row['nprf_train_s'] * 1e3:.1f} ms, SDPA "
                 f"{row['sdpa_train_s'] * 1e3:.1f} ms ({row['nprf_over_sdpa_train']:.2f}x of SDPA's time), forward "
                 f"{row.get('nprf_over_sdpa_forward', float('nan')):.2f}x; NPRF graph breaks "
-                f"{row['nprf_train_graph_breaks']}; {last:.0f} s with its compiles")
+                f"{row['nprf_train_graph_breaks']}; peak memory NPRF / SDPA {_mb(row.get('nprf_train_peak_bytes'))} / "
+                f"{_mb(row.get('sdpa_train_peak_bytes'))} MB; {last:.0f} s with its compiles")
     del compiled, models
     torch._dynamo.reset()
     return rows
@@ -527,12 +594,12 @@ def plot(results, path):
     plt.close(fig)
 
 
-# name -> (the part, the seconds it may start new points for), in the order they run: 530 s of points in all, the
-# rest of a 10-minute call for the start-up and the check (on an H200, 2026-11-27: start-up and check about 25 s,
+# name -> (the part, the seconds it may start new points for), in the order they run: 450 s of points in all, the
+# rest of 8 minutes for the start-up and the check (on an H200, 2026-11-27: start-up and check about 25 s,
 # attention 34 s, the eager model 20 s, decoding 15 s; each compiled point about 100 s, mostly its four compiles, and
-# the compiled part starts a point only while the time left covers the last one's: three points fit)
+# the compiled part starts a point only while the time left covers the last one's: two points fit, 16,384 first)
 PARTS = {"check": (check_part, 0.0), "attention": (attention_part, 100.0), "model": (model_part, 60.0),
-         "compiled": (compiled_part, 330.0), "decode": (decode_part, 40.0)}
+         "compiled": (compiled_part, 250.0), "decode": (decode_part, 40.0)}
 
 
 def parse_args(argv=None):
@@ -545,7 +612,7 @@ def parse_args(argv=None):
     defaults = " ".join(f"{name}={budget:g}" for name, (_, budget) in PARTS.items() if budget)
     parser.add_argument("--budget-s", nargs="+", default=[], metavar="PART=S",
                         help=f"seconds a part may start new points for (default {defaults}: the whole run fits one "
-                        "10-minute device call)")
+                        "8-minute device call)")
     args = parser.parse_args(argv)
     budgets = {name: budget for name, (_, budget) in PARTS.items()}
     for item in args.budget_s:
@@ -585,7 +652,8 @@ def main(argv=None):
         print(f"[{time.perf_counter() - started:6.1f} s] {line}", flush=True)
 
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    from nprf_hf import nprf_triton
+    fallbacks = FallbackReasons()
+    logging.getLogger("nprf_hf.nprf_triton").addHandler(fallbacks)
 
     for part in args.parts:
         _deadline[0] = time.perf_counter() + args.budget_s[part]
@@ -595,7 +663,7 @@ def main(argv=None):
             results[f"{part}_error"] = f"{type(error).__name__}: {error}"[:2000]
             log(f"{part} failed: {results[f'{part}_error'][:500]}")
         # "auto" falls back to PyTorch when the kernels fail on the device: then these numbers are not the kernels'
-        results[f"{part}_kernels_disabled"] = sorted(reason for reason in nprf_triton._told if "failed" in reason)
+        results[f"{part}_kernels_disabled"] = sorted(reason for reason in fallbacks.reasons if "failed" in reason)
         results["total_s"] = time.perf_counter() - started
         write_json(args.output, results)  # after every part: a run cut short keeps what it measured
     if args.profile:

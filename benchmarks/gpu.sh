@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Issue 43's GPU measurement in one command, sized for one device loan (about 8 minutes on an H100 or H200):
-# the Triton kernels against SDPA's flash kernel (attention alone, 1k-64k tokens), a RoBERTa-base-sized model's
-# forward and training step, and decoding. Needs a CUDA build of torch, transformers and Triton (no install here:
+# Issues 43 and 55's GPU measurement in one command, sized for one device loan (at most 8 minutes, H100 or H200):
+# the Triton kernels against SDPA's flash kernel (attention alone, 1k-64k tokens, with the share of issue 55's
+# roofline bound), a RoBERTa-base-sized model's forward and training step, eager and compiled (16,384 tokens
+# first, with peak memory), and decoding. Needs a CUDA build of torch, transformers and Triton (no install here:
 # the device machines have them and no network). Writes benchmarks/results/gpu_cuda_bf16.json and its plot.
 set -euo pipefail
 cd "$(dirname "$0")/.."

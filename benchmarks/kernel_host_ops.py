@@ -8,7 +8,7 @@ set here) with every kernel replaced by a stub that only counts its launches: AT
 host time per call at a tiny shape on one thread. A proxy: no GPU time is measured, and the band-width check that
 `nprf_dispatch.resolve_algorithm` makes on CPU tensors only (skipped for the kernels on CUDA) is stubbed out.
 
-    python benchmarks/kernel_host_ops.py [--dtype bfloat16] [--mask] [--repeats 300] [--verbose] [--model]
+    python benchmarks/kernel_host_ops.py [--dtype bfloat16] [--mask] [--batch 1] [--repeats 300] [--verbose] [--model]
 
 `--model` also times the host side of a whole training step, a tiny 12-layer RoBERTa-like masked LM whose attention
 runs the (stubbed) kernels through `attention_algorithm="auto"` as on a GPU, against the same model with SDPA: what
@@ -18,6 +18,7 @@ NPRF adds to each eager step on a host-bound GPU.
 import argparse
 import collections
 import os
+from unittest import mock
 
 os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported: CPU tensors reach the kernels' wrappers
 
@@ -26,7 +27,8 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
 from nprf_hf import functional as Fn  # noqa: E402
-from nprf_hf import nprf_dispatch, nprf_triton, nprf_triton_decode, nprf_triton_kernels  # noqa: E402
+from nprf_hf import nprf_dispatch, nprf_triton, nprf_triton_backward, nprf_triton_decode  # noqa: E402
+from nprf_hf import nprf_triton_kernels  # noqa: E402
 from nprf_hf.benchmarking import median_time  # noqa: E402
 
 
@@ -73,8 +75,10 @@ def calls(dtype, masked, batch=1, heads=2, n=64, d=16, m=16, width=8):
     """{label: a no-argument call}: the public function forward and forward + backward, and the decode step."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(batch, heads, n, d, generator=g, dtype=dtype).requires_grad_() for _ in range(3))
-    table = torch.randn(heads, 2 * width + 1, generator=g).requires_grad_()
+    table = torch.randn(heads, 2 * width + 1, generator=g)
     index = torch.arange(-(n - 1), n).clamp(-width, width) + width
+    # the [H, 2n - 1] bias as the attention receives it, a leaf: its gather from the table is the caller's operator
+    bias = table[:, index].requires_grad_()
     projection = Fn.draw_projection(m, d, num_heads=heads, generator=g).to(dtype)
     grad = torch.randn(batch, heads, n, d, generator=g, dtype=dtype)
     mask = None
@@ -87,10 +91,10 @@ def calls(dtype, masked, batch=1, heads=2, n=64, d=16, m=16, width=8):
     token = [torch.randn(batch, heads, 1, d, generator=g, dtype=dtype) for _ in range(3)]
 
     def forward():
-        return Fn.nprf_attention(q, k, v, table[:, index], projection, mask, algorithm="triton", band_width=width + 1)
+        return Fn.nprf_attention(q, k, v, bias, projection, mask, algorithm="triton", band_width=width + 1)
 
-    def forward_backward():
-        forward().backward(grad)
+    def forward_backward():  # (autograd.grad: no accumulation into the leaves' .grad, also the caller's)
+        torch.autograd.grad(forward(), (q, k, v, bias), grad)
 
     def decode():
         with torch.no_grad():
@@ -100,6 +104,11 @@ def calls(dtype, masked, batch=1, heads=2, n=64, d=16, m=16, width=8):
     return {"forward": forward, "forward + backward": forward_backward, "decode step": decode}
 
 
+def _eager(query):
+    """`nprf_triton._plain_eager` as an eager call outside the counting dispatch mode sees it."""
+    return not torch.compiler.is_compiling() and type(query) is torch.Tensor
+
+
 def model_steps(repeats):
     """Median host seconds of a training step of a tiny 12-layer masked LM, NPRF (the stubbed kernels through "auto",
     the CPU playing a CUDA device) and SDPA, one thread, 2 x 64 tokens, width 64."""
@@ -107,7 +116,6 @@ def model_steps(repeats):
 
     from nprf_hf import NPRFRobertaConfig, NPRFRobertaForMaskedLM
 
-    nprf_dispatch.KERNEL_OF_DEVICE = {**nprf_dispatch.KERNEL_OF_DEVICE, "cpu": "triton"}
     common = dict(vocab_size=99, hidden_size=64, num_hidden_layers=12, num_attention_heads=4, intermediate_size=64,
                   hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, max_position_embeddings=130,
                   pad_token_id=1)
@@ -116,6 +124,10 @@ def model_steps(repeats):
     config._attn_implementation = "sdpa"
     models = {"NPRF": NPRFRobertaForMaskedLM(NPRFRobertaConfig(num_random_features=16, **common)),
               "SDPA": RobertaForMaskedLM(config)}
+    routing = nprf_dispatch.Routing(kernel_devices=("cpu", "cuda"))  # the CPU plays a CUDA device
+    for module in models["NPRF"].modules():
+        if hasattr(module, "routing"):
+            module.routing = routing
     ids = torch.randint(3, 99, (2, 64))
     seconds = {}
     for name, model in models.items():
@@ -131,32 +143,36 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--mask", action="store_true", help="a key padding mask (bool)")
+    parser.add_argument("--batch", type=int, default=1, help="sequences a call (above 1: the bias gradient sums them)")
     parser.add_argument("--repeats", type=int, default=300, help="calls timed per row (median)")
     parser.add_argument("--verbose", action="store_true", help="list the launch-like operators")
     parser.add_argument("--model", action="store_true", help="also a tiny 12-layer model's training step, NPRF and SDPA")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     launches = collections.Counter()
-    for module in (nprf_triton_kernels, nprf_triton_decode):
+    for module in (nprf_triton_kernels, nprf_triton_backward, nprf_triton_decode):
         for name in dir(module):
             if name.startswith("nprf_") and name.endswith("_kernel"):
                 setattr(module, name, KernelStub(name, launches))
     nprf_dispatch.infer_band_width = lambda bias, n: 0  # the CPU-only check (see the docstring)
-    print(f"# {args.dtype}, mask: {args.mask}; B=1 H=2 n=64 d=m=16, one thread; kernels stubbed (TRITON_INTERPRET=1)")
-    for label, call in calls(getattr(torch, args.dtype), args.mask).items():
+    print(f"# {args.dtype}, mask: {args.mask}; B={args.batch} H=2 n=64 d=m=16, one thread; kernels stubbed "
+          "(TRITON_INTERPRET=1)")
+    for label, call in calls(getattr(torch, args.dtype), args.mask, batch=args.batch).items():
         for _ in range(10):
             call()
         launches.clear()
         ops = collections.Counter()
-        with CountOperators(ops):
+        # (a dispatch mode makes the launcher take the traced path, the custom ops': counted, it takes eager's)
+        with CountOperators(ops), mock.patch.object(nprf_triton, "_plain_eager", _eager):
             call()
         kernels = sum(launches.values())
         kinds = collections.Counter()
         for (kind, _), count in ops.items():
             kinds[kind] += count
         host = median_time(call, repeats=args.repeats, warmup=0)  # warmed up above, before the counted call
-        print(f"{label}: {kinds['launch']} launch-like operators, {kernels} NPRF kernel launches, "
-              f"{kinds['alloc']} allocations, {kinds['view']} views; host {host * 1e6:.0f} us")
+        print(f"{label}: {kinds['launch'] + kernels} launches ({kernels} NPRF kernels + {kinds['launch']} ATen "
+              f"operators that write memory), {kinds['alloc']} allocations, {kinds['view']} views; host "
+              f"{host * 1e6:.0f} us")
         if args.verbose:
             print("    " + ", ".join(f"{name} x{n}" for (kind, name), n in ops.most_common() if kind == "launch"))
     if args.model:

@@ -5,7 +5,7 @@ shared memory and resident warps per SM. This is how a kernel is tuned between d
 The kernels' arguments are not written here a second time: the launcher's own functions (`triton_attention` forward
 and backward, `triton_decode_step`) run on meta tensors (no data, no device) with every kernel replaced by a recorder
 of its launch, so each compiled variant is one the launcher would launch: its tile (`nprf_triton.BLOCK` rows,
-`NUM_WARPS` warps, Triton's default stages), its constexprs, its dtypes, and the specializations the JIT makes on the
+`NUM_WARPS` warps, `NUM_STAGES` stages), its constexprs, its dtypes, and the specializations the JIT makes on the
 arguments (unit strides, multiples of 16). The dot precision (`HALF`) is the launcher's choice on a CUDA device
 (`_dot_precision`): bf16 inputs take bf16 operands; fp32 inputs take TF32 operands where torch allows TF32 matmuls
 (rows "tf32"), else exact fp32 FMA loops (rows "fp32", torch's default; `--inputs fp32`: their compile is the slow
@@ -57,10 +57,10 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
-from nprf_hf import nprf_triton, nprf_triton_decode, nprf_triton_kernels  # noqa: E402
+from nprf_hf import nprf_triton, nprf_triton_backward, nprf_triton_decode, nprf_triton_kernels  # noqa: E402
 from nprf_hf.benchmarking import write_json  # noqa: E402
 
-KERNEL_MODULES = (nprf_triton_kernels, nprf_triton_decode)
+KERNEL_MODULES = (nprf_triton_kernels, nprf_triton_backward, nprf_triton_decode)
 # The SM of each architecture: registers per SM and their allocation unit per warp, shared memory per SM and per
 # block, resident warps and blocks per SM (CUDA C Programming Guide, compute capabilities 8.0 and 9.0).
 SM = {

@@ -52,7 +52,8 @@ _LAZY = {
     "chunk_and_pool": "long_context",
     "embed_documents": "long_context",
     "set_attention_variant": "modeling_nprf",
-    "context_parallel": "nprf_context_parallel",
+    "context_parallel": "attention_nprf",
+    "explain": "attention_nprf",
     "SourceNotFoundError": "hub",
     "PushError": "hub",
     "NPRF_CONFIG_CLASSES": "configuration_nprf",
@@ -63,8 +64,8 @@ _LAZY = {
 __all__ = ["functional", "NPRFCache", "NPRFStaticCache", "convert_to_nprf", "convert_checkpoint", "attention_transfer",
            "TransferArguments", "read_transfer_texts", "TransferReport", "long_context_distillation",
            "LongContextArguments", "LongContextReport", "read_long_text",
-           "chunk_and_pool", "embed_documents", "set_attention_variant", "context_parallel", "SourceNotFoundError",
-           "PushError", *_CLASSES]
+           "chunk_and_pool", "embed_documents", "set_attention_variant", "context_parallel", "explain",
+           "SourceNotFoundError", "PushError", *_CLASSES]
 
 
 def __getattr__(name):

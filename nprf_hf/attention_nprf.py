@@ -20,7 +20,12 @@ Design notes:
   build an attention matrix to drop from.
 """
 
+import contextlib
+import logging
+from collections.abc import Mapping
+
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 from transformers.cache_utils import EncoderDecoderCache
@@ -36,7 +41,10 @@ from .functional import (
     relative_position_bias,
     rpe_band_width,
 )
-from .nprf_context_parallel import context_parallel_attention, context_parallel_group
+from .nprf_context_parallel import context_parallel_attention
+from .nprf_cpu_threads import threads_for
+from .nprf_dispatch import LayerCall, choose_route
+from .nprf_dispatch import logger as route_logger
 from .nprf_terms import ATTENTION_TERMS, AttentionTerms
 from .options import RECOMPUTE_MODES
 
@@ -208,6 +216,41 @@ class PackedSequences:
 
 
 # ---------------------------------------------------------------------------------------------
+# Context parallelism: which process group the layers shard over (the math takes the group as an argument)
+# ---------------------------------------------------------------------------------------------
+
+# The process groups of the active `context_parallel` blocks, innermost last: state of the models' edge, not of the
+# math. A plain list, not a ContextVar: torch.compile traces a read of it (fullgraph), and guards on it.
+_GROUPS = []
+
+
+@contextlib.contextmanager
+def context_parallel(group=None):
+    """NPRF self-attention over a sequence sharded across the ranks of `group` (None: the default process group)
+    while the block is active.
+
+    Each rank passes its contiguous shard of every sequence (`input_ids[:, lo:hi]`, the ranks in order; equal
+    shards except the last, or any lengths >= 1) and gets its shard of the one-process outputs: position ids and
+    the relative position bias follow global positions. Gradients summed over the ranks equal one process's. A
+    decoder called without `use_cache` runs without a cache (`use_cache=True` is refused). Gradient checkpointing
+    (untested) recomputes layers in backward, which must then run inside the block too. Attention weights
+    (`output_attentions`), general 4D masks and the segment / word-matching / first-key terms are not supported.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("context_parallel needs torch.distributed initialized (dist.init_process_group)")
+    _GROUPS.append(dist.group.WORLD if group is None else group)
+    try:
+        yield
+    finally:
+        _GROUPS.pop()
+
+
+def context_parallel_group():
+    """The process group of the active `context_parallel` block, or None outside one."""
+    return _GROUPS[-1] if _GROUPS else None
+
+
+# ---------------------------------------------------------------------------------------------
 # The NPRF self-attention (every family)
 # ---------------------------------------------------------------------------------------------
 
@@ -267,6 +310,7 @@ class NPRFSelfAttention(nn.Module):
         # types, or the separator rule's 0 / 1
         separators = family_of(config.model_type).segments == "separators"
         self.num_segments = 2 if separators else getattr(config, "type_vocab_size", None)
+        self.routing = None  # what "auto" reads (`nprf_dispatch.Routing`); None: the package's `ROUTING`
 
     @classmethod
     def adopt(cls, module, config, layout, layer_idx):
@@ -371,28 +415,33 @@ class NPRFSelfAttention(nn.Module):
         query, key, value = self.split_heads(hidden_states)
         output_attentions = self._output_attentions(kwargs)
 
-        nprf_cache = find_nprf_cache(past_key_values)
+        nprf_cache, group = find_nprf_cache(past_key_values), context_parallel_group()
+        if nprf_cache is None:
+            if packed_sequences is not None:
+                query, key, value = self._unpack(packed_sequences, past_key_values, query, key, value)
+                attention_mask = packed_sequences.valid
+            key, value = self._with_cached_keys(past_key_values, key, value)
+            query_length, key_length = query.shape[2], key.shape[2]
+            query = self._pad_cached_queries(query, key_length)
+            masks = self.mask_forms(attention_mask, query_length, key_length, query.shape[0])
+        # the one decision of what runs (`nprf_dispatch.choose_route`): the path here, the algorithm inside it
+        route = choose_route(LayerCall(
+            nprf_cache is not None, group is not None, nprf_cache is None and masks[1] is not None,
+            bool(output_attentions), nprf_cache is None and key_length > query_length, packed_sequences is not None,
+        ), self.config.attention_algorithm)
         if nprf_cache is not None:
             attn_output, attn_weights = self._recurrent_attention(
                 nprf_cache, query, key, value, attention_mask, rpe_table, output_attentions
             )
             return self.merge_heads(attn_output, input_shape), attn_weights
 
-        if packed_sequences is not None:
-            query, key, value = self._unpack(packed_sequences, past_key_values, query, key, value)
-            attention_mask = packed_sequences.valid
-        key, value = self._with_cached_keys(past_key_values, key, value)
-        query_length, key_length = query.shape[2], key.shape[2]
-        query = self._pad_cached_queries(query, key_length)
         rpe_bias = self._rpe_bias(rpe_table, rpe_bias, key_length)
-        masks = self.mask_forms(attention_mask, query_length, key_length, query.shape[0])
         terms = self.attention_terms(segment_ids, token_ids)
         if output_attentions or masks[1] is not None:
             self._check_dense_length(key_length, output_attentions)
-
         first = key_length - query_length  # rows of the current queries
         attn_output, attn_weights = self._attend(
-            query, key, value, rpe_bias, rpe_table, masks, terms, first, output_attentions, packed_sequences
+            route.mode, query, key, value, rpe_bias, rpe_table, masks, terms, first, group
         )
         if packed_sequences is not None:
             attn_output = packed_sequences.pack(attn_output)
@@ -454,8 +503,9 @@ class NPRFSelfAttention(nn.Module):
         """[H, 2 Lk - 1]: the base model's shared bias when it fits this layer, else this layer's own."""
         if self.rpe_table is not None or rpe_bias is None or rpe_bias.shape[-1] != 2 * key_length - 1:
             table = self.bucket_table(rpe_table)
-            rpe_bias = relative_position_bias(
-                table, key_length, self.bidirectional, self.config.rpe_num_buckets, self.config.rpe_max_distance
+            rpe_bias = relative_position_bias(  # (on the CPU threads the attention call will run on)
+                table, key_length, self.bidirectional, self.config.rpe_num_buckets, self.config.rpe_max_distance,
+                threads_for(table.device, self.routing),
             )
         return rpe_bias
 
@@ -470,20 +520,17 @@ class NPRFSelfAttention(nn.Module):
                 "output_attentions=False."
             )
 
-    def _attend(self, query, key, value, rpe_bias, rpe_table, masks, terms, first, output_attentions, packed):
+    def _attend(self, path, query, key, value, rpe_bias, rpe_table, masks, terms, first, group):
         """The attention of the queries' rows `first:` ([B, H, Lk, d] each in) -> (output [B, H, Lq, d], weights
-        [B, H, Lq, Lk] or None): over the shards of `context_parallel`, exactly through the dense weights for a
-        general mask, through the returned weights with `output_attentions`, else the fast algorithms."""
+        [B, H, Lq, Lk] or None) by the router's `path` (`nprf_dispatch.LAYER_PATHS`): over the shards of
+        `context_parallel` (`group`), exactly through the dense weights for a general mask, through the returned
+        weights with `output_attentions`, else the fast algorithms."""
         key_padding_mask, general_mask = masks
-        sharded = context_parallel_group()  # inside `context_parallel`: this rank holds a shard of the sequence
-        if sharded is not None:
-            if output_attentions or general_mask is not None or first or packed is not None:
-                raise ValueError("context_parallel takes padding masks only, without output_attentions, a cache or "
-                                 "packed sequences")
-            return self._sharded_attention(query, key, value, rpe_table, key_padding_mask, terms, sharded), None
-        if general_mask is not None:
+        if path == "sharded":
+            return self._sharded_attention(query, key, value, rpe_table, key_padding_mask, terms, group), None
+        if path == "masked":
             return self._masked_attention(query, key, value, rpe_bias, general_mask, terms, first)
-        if output_attentions:
+        if path == "weights":
             # The output is computed from the returned weights, so they are part of the graph (attribution
             # through `attentions[i].retain_grad()` works); dense, hence the length limit.
             attn_weights = nprf_attention_weights(
@@ -495,7 +542,7 @@ class NPRFSelfAttention(nn.Module):
             query, key, value, rpe_bias, self.projection, key_padding_mask=key_padding_mask,
             algorithm=self.config.attention_algorithm, causal=self.is_causal, band_width=self.band_width,
             recompute=RECOMPUTE_MODES[self.config.attention_recompute], variant=self.config.attention_variant,
-            terms=terms, near_field_width=self.near_field_width,
+            terms=terms, near_field_width=self.near_field_width, routing=self.routing,
         )
         return attn_output[:, :, first:], None
 
@@ -528,8 +575,6 @@ class NPRFSelfAttention(nn.Module):
         output_attentions, from an NPRFStaticCache that keeps the keys, or None)."""
         if not self.is_causal:
             raise ValueError("NPRFCache is for decoder self-attention (config.is_decoder=True)")
-        if context_parallel_group() is not None:  # the cache holds one process's whole sequence
-            raise ValueError("context_parallel: run decoders with use_cache=False (NPRFCache decodes on one process)")
         table = self.bucket_table(rpe_table)
         result = cache.attend(
             self.layer_idx,
@@ -546,6 +591,7 @@ class NPRFSelfAttention(nn.Module):
             variant=self.config.attention_variant,
             terms=self.attention_terms(),
             output_attentions=bool(output_attentions),
+            routing=self.routing,
         )
         return result if output_attentions else (result, None)
 
@@ -567,3 +613,53 @@ class NPRFSelfAttention(nn.Module):
                 "cache_implementation='dynamic' or use_cache=False"
             )
         return key_padding_mask
+
+
+# ---------------------------------------------------------------------------------------------
+# What ran, and why
+# ---------------------------------------------------------------------------------------------
+
+
+class _RouteRecorder(logging.Handler):
+    """Collects the router's DEBUG records (`nprf_dispatch.choose_route`), each under the layer that made it."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.layer, self.lines = "(outside a layer)", []
+
+    def emit(self, record):
+        route = record.args[0] if isinstance(record.args, tuple) and record.args else record.getMessage()
+        if getattr(route, "backend", None) == "layer":
+            self.lines.append(f"{self.layer}: {route.mode} path ({route.reason})")
+        else:
+            self.lines.append(f"{self.layer}:     {route}")
+
+
+def explain(model, inputs, show=True):
+    """What each NPRF self-attention of `model` ran on `inputs`, and why: one forward of `model(**inputs)` (a mapping,
+    e.g. a tokenizer's output) or `model(inputs)` (input ids), in the caller's autograd mode (under `torch.no_grad()`:
+    inference's choices), recording every decision of the router (`nprf_dispatch.choose_route`): the layer's path,
+    then the algorithm, mode and reason of the attention or decode step it ran. Eager only: a compiled model's
+    decisions are traced into its graph, not logged. The same lines reach the logger `nprf_hf.nprf_dispatch` at DEBUG
+    without this function. Prints them unless `show=False`; returns them as a list of strings."""
+    layers = {module: name for name, module in model.named_modules() if isinstance(module, NPRFSelfAttention)}
+    if not layers:
+        raise ValueError(f"explain: {type(model).__name__} has no NPRF self-attention (convert_to_nprf makes one)")
+    recorder = _RouteRecorder()
+    hooks = [module.register_forward_pre_hook(lambda module, args, name=name: setattr(recorder, "layer", name))
+             for module, name in layers.items()]
+    level, propagate = route_logger.level, route_logger.propagate
+    route_logger.addHandler(recorder)
+    route_logger.setLevel(logging.DEBUG)
+    route_logger.propagate = False  # (the user's handlers keep their own level for this module)
+    try:
+        model(**inputs) if isinstance(inputs, Mapping) else model(inputs)
+    finally:
+        route_logger.removeHandler(recorder)
+        route_logger.setLevel(level)
+        route_logger.propagate = propagate
+        for hook in hooks:
+            hook.remove()
+    if show:
+        print("\n".join(recorder.lines))
+    return recorder.lines

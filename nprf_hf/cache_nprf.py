@@ -11,7 +11,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, Encod
 from transformers.masking_utils import create_masks_for_generate
 
 from .functional import nprf_attention, nprf_attention_weights
-from .nprf_cpu_threads import ThreadChoice
+from .nprf_cpu_threads import ThreadChoice, threads_for
 from .nprf_positions import relative_position_bias
 from .nprf_recurrent import (  # noqa: F401  (DECODE_BLOCK, recurrent_attention: public here as before)
     DECODE_BLOCK, causal_distance_bias, key_features_and_values, recurrent_attention, recurrent_state_from_prefill,
@@ -21,9 +21,8 @@ from .nprf_terms import AttentionTerms
 from .options import KEY_VALUE_CACHE_VARIANTS
 
 
-# The cache's name among the models' forward arguments, generate()'s model kwargs and the mask builders': `cache` from
-# transformers 5.24 on (`past_key_values`, still taken with a warning until 5.40, before). Read from transformers' own
-# signature (no version number), so the cache goes on under the installed name.
+# The cache's argument name (forward, generate()'s model kwargs, the mask builders): `cache` from transformers 5.24 on,
+# `past_key_values` before (taken with a warning until 5.40); read from transformers' signature, not a version.
 CACHE_ARGUMENT = "cache" if "cache" in inspect.signature(create_masks_for_generate).parameters else "past_key_values"
 
 
@@ -271,7 +270,7 @@ class NPRFCacheMixin:
         return self.layer(layer_idx).nbytes
 
     def attend(self, layer_idx, query, key, value, key_padding_mask, rpe_table, projection, band_width, num_buckets=32,
-               max_distance=128, algorithm="auto", variant="nprf", terms=None, output_attentions=False):
+               max_distance=128, algorithm="auto", variant="nprf", terms=None, output_attentions=False, routing=None):
         """Causal NPRF attention of the new tokens (query, key, value [B, H, L, d]) to everything the layer has seen,
         advancing its state: the prompt through `nprf_attention(algorithm=...)`, later tokens through the state.
         key_padding_mask: None or bool, True = keep, [B, past + L] (as generate() passes it; the past must agree with
@@ -290,18 +289,20 @@ class NPRFCacheMixin:
         layer, batch, length = self.layer(layer_idx), query.shape[0], query.shape[2]
         prefill = not layer.has_state
         mask = layer.check_mask(layer_idx, batch, length, key_padding_mask, projection)
-        # the new tokens are the mask's last columns, whether it covers the whole sequence or only them
-        new_mask = None if mask is None else mask[:, mask.shape[-1] - length :]
+        new_mask = None if mask is None else mask[:, mask.shape[-1] - length :]  # (the whole sequence's, or theirs)
+        threads = threads_for(query.device, routing)  # the math's edge: this call's threads (`Routing.cpu_threads`)
+        if hasattr(self, "thread_choice"):  # and the model's next decode steps' (a cache pickled before has none)
+            self.thread_choice.enabled = routing is None or routing.cpu_threads
         if prefill:  # the fast exact algorithms over the prompt, then the state from its keys
-            bias = relative_position_bias(rpe_table, length, False, num_buckets, max_distance)
+            bias = relative_position_bias(rpe_table, length, False, num_buckets, max_distance, threads)
             out = nprf_attention(query, key, value, bias, projection, key_padding_mask=mask, algorithm=algorithm,
-                                 causal=True, band_width=band_width, variant=variant, terms=terms)
-            phi_k, u = key_features_and_values(key, value, new_mask, projection, variant, terms.logit_scale)
+                                 causal=True, band_width=band_width, variant=variant, terms=terms, routing=routing)
+            phi_k, u = key_features_and_values(key, value, new_mask, projection, variant, terms.logit_scale, threads)
             state = recurrent_state_from_prefill(phi_k, u, band_width)
         else:
             state = (layer.far_states, layer.ring_features, layer.ring_values)
             out, state = recurrent_step(query, key, value, new_mask, state, rpe_table, projection, band_width,
-                                        num_buckets, max_distance, algorithm, variant, terms)
+                                        num_buckets, max_distance, algorithm, variant, terms, routing, threads)
         if output_attentions or layer.max_cache_len is not None:
             weights = layer.kept_key_weights(layer_idx, query, key, value, new_mask, rpe_table, projection,
                                              num_buckets, max_distance, variant, terms, output_attentions)
@@ -427,8 +428,7 @@ class NPRFGenerationMixin:
             return model_inputs
         shifted = position_ids + padding_idx + 1
         if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[0] == shifted.shape[0]:
-            # the mask covers the whole sequence; the step's tokens are its last columns
-            shifted = shifted.masked_fill(attention_mask[:, -shifted.shape[-1] :] == 0, padding_idx)
+            shifted = shifted.masked_fill(attention_mask[:, -shifted.shape[-1] :] == 0, padding_idx)  # (its last)
         model_inputs["position_ids"] = shifted
         return model_inputs
 

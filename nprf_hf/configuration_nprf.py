@@ -72,7 +72,7 @@ import transformers
 
 from .families import FAMILIES, HEADS, family_of
 from .hub import check_load_source
-from .options import NORMALIZED_VARIANTS, NPRF_FIELDS, QUADRATIC_VARIANTS
+from .options import NORMALIZED_VARIANTS, NPRF_FIELDS, QUADRATIC_VARIANTS, WEIGHTS_ALGORITHMS
 
 
 NPRF_FIELD_NAMES = tuple(field.name for field in NPRF_FIELDS)
@@ -105,7 +105,7 @@ def validate_nprf_fields(config):
             f"logit_scale_max scales normalized logits: it applies to attention_variant in {NORMALIZED_VARIANTS}, "
             f"not {config.attention_variant!r} (set logit_scale_max=0)"
         )
-    if config.attention_variant in QUADRATIC_VARIANTS and config.attention_algorithm not in ("auto", "dense"):
+    if config.attention_variant in QUADRATIC_VARIANTS and config.attention_algorithm not in WEIGHTS_ALGORITHMS:
         raise ValueError(
             f"attention_variant={config.attention_variant!r} is computed from the dense n x n weights: "
             f"attention_algorithm must be 'auto' or 'dense', not {config.attention_algorithm!r}"

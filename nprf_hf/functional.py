@@ -18,7 +18,9 @@ product as fused GPU kernels (`nprf_triton`, kernels in `nprf_triton_kernels`). 
 in `nprf_terms`, the recurrent decoding step in `nprf_recurrent`, and the float64
 reference every algorithm is tested against in `nprf_naive`.
 
-Nothing here holds state: every function takes tensors and returns tensors.
+Nothing here holds state: every function takes tensors and returns tensors. This is the edge of the math around an
+attention call: the CPU's thread pool and thread controls (`nprf_cpu_threads`) are chosen here, once per call, and
+passed in as the call's `nprf_schedule` scheduler (`Routing.cpu_threads=False`: torch's own threads).
 """
 
 from typing import Optional
@@ -26,10 +28,10 @@ from typing import Optional
 import torch
 
 from .nprf_cpu_split import attention_in_items
-from .nprf_cpu_threads import single_threaded
+from .nprf_cpu_threads import threads_for
 from .nprf_dense import exact_kernel, key_lengths
 from .nprf_dispatch import RECOMPUTE_MIN_BYTES  # noqa: F401  (public here: the rule is `nprf_dispatch.choose_route`)
-from .nprf_dispatch import AttentionCall, ToeplitzCall, choose_route, run_attention, toeplitz_product
+from .nprf_dispatch import ROUTING, AttentionCall, Routing, ToeplitzCall, choose_route, run_attention, toeplitz_product
 from .nprf_dispatch import resolve_algorithm as _resolve_algorithm  # noqa: F401  (tests and benchmarks read it here)
 from .nprf_features import (  # noqa: F401  (draw_projection, positive_random_features, normalize_attention)
     compute_dtype,
@@ -55,6 +57,7 @@ from .nprf_terms import AttentionTerms
 from .options import ALGORITHMS  # noqa: F401  (the PyTorch algorithms: read here by tests and benchmarks)
 from .nprf_near_field import near_field_correction, near_field_inputs, near_field_kernel
 from .options import ATTENTION_ALGORITHMS, ATTENTION_VARIANTS, NEAR_FIELD_VARIANTS, QUADRATIC_VARIANTS
+from .options import WEIGHTS_ALGORITHMS
 
 
 def nprf_attention(
@@ -77,6 +80,7 @@ def nprf_attention(
     variant: str = "nprf",
     terms: Optional[AttentionTerms] = None,
     near_field_width: Optional[int] = None,
+    routing: Optional[Routing] = None,
 ):
     """Normalized positive random feature attention with a relative position bias.
 
@@ -125,6 +129,8 @@ def nprf_attention(
             keyword pairs logit_scale, segment_ids / segment_bias, token_ids / match_weight and num_segments.
         near_field_width: variant "nprf_near": the pairs with |j - i| below it use the exact kernel; None = the
             band width (given, or inferred from the bias).
+        routing: what "auto" reads (`nprf_dispatch.Routing`: crossovers, kernel devices, recompute size) and whether
+            a CPU call runs on the package's threads (`cpu_threads`); None = `nprf_dispatch.ROUTING`.
     Returns:
         [B, H, n, d_v]. Queries with no key to attend to give zeros.
     """
@@ -134,7 +140,7 @@ def nprf_attention(
         terms = _terms(terms, logit_scale, segment_ids, segment_bias, token_ids, match_weight, num_segments)
         return _attention(
             query, key, value, rpe_bias, projection, key_padding_mask, algorithm, causal, band_width, terms, recompute,
-            variant, near_field_width,
+            variant, near_field_width, ROUTING if routing is None else routing,
         )
 
 
@@ -150,23 +156,21 @@ def _terms(terms, logit_scale, segment_ids, segment_bias, token_ids, match_weigh
 
 
 def _attention(query, key, value, rpe_bias, projection, key_padding_mask, algorithm, causal, band_width, terms, recompute,
-               variant, near_field_width=None):
+               variant, near_field_width=None, routing=ROUTING):
     """`nprf_attention` (its arguments, the terms as one object), autocast off."""
     batch, heads, n, head_dim = _check_inputs(query, key, value, rpe_bias, projection, key_padding_mask, algorithm)
     _check_variant(variant, algorithm, near_field_width)
     terms.check(batch, heads, n, causal, variant)
-    if variant in QUADRATIC_VARIANTS:
-        weights = _attention_weights(query, key, rpe_bias, projection, key_padding_mask, causal, terms, variant)
-        dtype = compute_dtype(value.dtype)
-        return (weights.to(dtype) @ value.to(dtype)).to(value.dtype)
     dtype = compute_dtype(query.dtype)
-    with single_threaded(query.device):  # [H, 2n - 1] biases: operators too small to split (each split a barrier)
+    threads = threads_for(query.device, routing)
+    with threads.small():  # [H, 2n - 1] biases: operators too small to split (each split a barrier)
         rpe_bias = rpe_bias.to(dtype)
         call = AttentionCall(query, key, value, rpe_bias, masked_bias(rpe_bias, n, causal), projection,
                              key_padding_mask, terms, causal, variant, band_width, recompute,
-                             near_field_width=near_field_width)
+                             near_field_width=near_field_width, routing=routing, threads=threads)
         route = choose_route(call, algorithm)
-    return attention_in_items(call, route, _run)
+    # (the CPU's items where the route's row allows: the kernels and the n x n weights run whole)
+    return attention_in_items(call, route, _run) if toeplitz_product(route, True).items else _run(call, route)
 
 
 def _run(call, route):
@@ -176,10 +180,10 @@ def _run(call, route):
 def _nprf_attention(call, route):
     """`nprf_attention` once its inputs are checked and its route chosen (`nprf_dispatch`): the features, the route's
     Toeplitz product with the terms, the division; `call.bias` [H, 2n - 1] has -inf for the future when causal."""
-    query, key, terms, causal = call.query, call.key, call.terms, call.causal
+    query, key, terms, causal, threads = call.query, call.key, call.terms, call.causal, call.threads
     batch, heads, n, _ = query.shape
     dtype = compute_dtype(query.dtype)
-    with single_threaded(query.device):  # [B, n] masks and [H, 2n - 1] coefficients: too small to split
+    with threads.small():  # [B, n] masks and [H, 2n - 1] coefficients: too small to split
         mask = None if call.key_padding_mask is None else call.key_padding_mask.to(device=query.device, dtype=dtype)
         c, shift = toeplitz_coefficients(call.bias)
         valid = rows_with_keys(mask, causal)
@@ -189,9 +193,6 @@ def _nprf_attention(call, route):
     near_width = None
     if near:  # (the band width: given, resolved, or inferred from the bias)
         near_width = call.near_field_width or route.band_width or infer_band_width(call.bias.detach(), n)
-    if near and route.algorithm == "dense" and terms.pair_terms:  # the n x n kernel: every term as in the weights
-        weights = _weights(query, key, call.bias, call.projection, mask, causal, terms, call.variant, near_width)
-        return (weights @ value).to(query.dtype)
     # Without autograd through the product's own inputs (the features read the mask too), its "inference" row. Only
     # those count here, not the route's: a training segment bias or match weight multiplies the product's output
     # and needs no graph inside it.
@@ -199,9 +200,12 @@ def _nprf_attention(call, route):
         t is not None and t.requires_grad
         for t in (query, key, value, c, call.projection, mask, logit_scale, *terms.tensors(inside_product=True))
     )
+    product = toeplitz_product(route, inference)
+    if product.weights:  # the n x n weights: an exact kernel, or every term as in the weights
+        weights = _weights(query, key, call.bias, call.projection, mask, causal, terms, call.variant, near_width)
+        return (weights @ value).to(query.dtype)
     # The near field inside the product where it can read it (the pair terms scale the keys it is given, which the
     # exact kernel's keys would miss); else the band's correction of the product's sums.
-    product = toeplitz_product(route, inference)
     reads_near = near and product.near and not terms.pair_terms
     band_width = route.band_width
     if reads_near:  # the banded window must hold the near pairs
@@ -215,15 +219,17 @@ def _nprf_attention(call, route):
                                           call.variant, units if reads_near else None)
     near_field = near_field_inputs(query, key, mask, logit_scale, near_width, dtype, units) if reads_near else None
     if product.in_cache and not terms.pair_terms and (near_field is not None or not near):  # it divides in cache too
-        return product.run(ToeplitzCall(phi_q, phi_k, value, c, lengths=lengths, normalized=True, near=near_field)
-                           ).to(query.dtype)
-    u = values_and_ones(value) if product.reads_u else None
+        return product.run(ToeplitzCall(phi_q, phi_k, value, c, lengths=lengths, normalized=True, near=near_field,
+                                        threads=threads)).to(query.dtype)
+    u = values_and_ones(value, threads=threads) if product.reads_u else None
     out = terms.product(
-        lambda keys: product.run(ToeplitzCall(phi_q, keys, value, c, u, causal, band_width, lengths, near=near_field)),
-        phi_q, phi_k, lambda: values_and_ones(value) if u is None else u, shift, route.algorithm, dtype,
+        lambda keys: product.run(ToeplitzCall(phi_q, keys, value, c, u, causal, band_width, lengths, near=near_field,
+                                              threads=threads)),
+        phi_q, phi_k, lambda: values_and_ones(value, threads=threads) if u is None else u, shift, product.pairwise,
+        dtype,
     )
     if near and near_field is None:  # the band's pairs: the exact kernel in place of the estimate
-        u = values_and_ones(value) if u is None else u
+        u = values_and_ones(value, threads=threads) if u is None else u
         out = out + near_field_correction(query, key, phi_q, phi_k, u, c, near_width, causal, mask, logit_scale, terms,
                                           shift, dtype)
     in_place = not (torch.is_grad_enabled() and out.requires_grad)  # inference: no new [B, H, n, d_v] tensor
@@ -299,7 +305,7 @@ def _check_variant(variant, algorithm, near_field_width=None):
         raise ValueError(f"variant={variant!r} is not supported; allowed: one of {', '.join(ATTENTION_VARIANTS)}")
     if near_field_width is not None and (not isinstance(near_field_width, int) or near_field_width < 1):
         raise ValueError(f"near_field_width must be a positive integer (None: the band width), got {near_field_width!r}")
-    if variant in QUADRATIC_VARIANTS and algorithm not in ("auto", "dense"):
+    if variant in QUADRATIC_VARIANTS and algorithm not in WEIGHTS_ALGORITHMS:
         raise ValueError(f"variant={variant!r} is computed from the dense n x n weights: algorithm must be auto or dense")
 
 

@@ -52,6 +52,7 @@ from transformers.utils import TransformersKwargs, logging
 from .attention_nprf import (  # noqa: F401
     NPRFSelfAttention,
     PackedSequences,
+    context_parallel_group,
     normalize_attention_mask,
     projection_generator,
     split_attention_mask,
@@ -64,7 +65,7 @@ from .families import ATTENTION_LAYOUTS, FAMILIES, HEADS, family_of
 from .options import NPRF_FIELDS
 from .functional import far_bucket_table, relative_position_bias
 from .nprf_terms import ATTENTION_TERMS
-from .nprf_context_parallel import context_parallel_group, shard_position_offset
+from .nprf_context_parallel import shard_position_offset
 
 
 logger = logging.get_logger(__name__)
@@ -104,7 +105,7 @@ class NPRFEmbeddings(nn.Module):
         reference = input_ids if input_ids is not None else inputs_embeds
         device, length = reference.device, reference.shape[1]
         # a shard of a sequence sharded over ranks (`context_parallel`) counts on from the shards before it
-        cache_length = cache_length + shard_position_offset(input_ids, length, self.padding_idx, device)
+        cache_length = cache_length + shard_position_offset(input_ids, length, self.padding_idx, device, context_parallel_group())
         # cache_length: an int, or a 0-d tensor (NPRFStaticCache) added without reading it on the host
         if self.padding_idx is None:
             return (torch.arange(length, device=device) + cache_length)[None]

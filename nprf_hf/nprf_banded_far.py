@@ -7,7 +7,7 @@ torch.compile whole-tensor ops (`far_states_compiled`)."""
 import torch
 import torch.nn.functional as F
 
-from .nprf_cpu_threads import single_threaded
+from .nprf_schedule import SERIAL
 
 
 def far_states_compiled(states, c_before, c_after, num_chunks, reach):
@@ -34,24 +34,24 @@ class FarStates(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, states, c_before, c_after, num_chunks, reach):
+    def forward(ctx, states, c_before, c_after, num_chunks, reach, threads=SERIAL):
         ctx.save_for_backward(states, c_before, c_after)
-        ctx.num_chunks, ctx.reach = num_chunks, reach
-        return far_sums(states, c_before, c_after, num_chunks, reach)
+        ctx.num_chunks, ctx.reach, ctx.threads = num_chunks, reach, threads
+        return far_sums(states, c_before, c_after, num_chunks, reach, threads)
 
     @staticmethod
     def backward(ctx, grad_far):
         states, c_before, c_after = ctx.saved_tensors
         grads = far_sums_backward(
-            states, c_before, c_after, grad_far, ctx.num_chunks, ctx.reach, *ctx.needs_input_grad[1:3]
+            states, c_before, c_after, grad_far, ctx.num_chunks, ctx.reach, *ctx.needs_input_grad[1:3], ctx.threads
         )
-        return (*grads, None, None)
+        return (*grads, None, None, None)
 
 
-def far_sums(states, c_before, c_after, num_chunks, reach):
+def far_sums(states, c_before, c_after, num_chunks, reach, threads=SERIAL):
     """`FarStates`' forward: running sums updated in place, one chunk at a time (on one CPU thread: each update is
     too small to split, and a split is a parallel region)."""
-    with single_threaded(states.device):
+    with threads.small():
         return _far_sums_loop(states, c_before, c_after, num_chunks, reach)
 
 
@@ -71,9 +71,10 @@ def _far_sums_loop(states, c_before, c_after, num_chunks, reach):
     return far
 
 
-def far_sums_backward(states, c_before, c_after, grad_far, num_chunks, reach, needs_before, needs_after):
+def far_sums_backward(states, c_before, c_after, grad_far, num_chunks, reach, needs_before, needs_after,
+                      threads=SERIAL):
     """(grad states, c_before or None, c_after or None) of `FarStates` (on one CPU thread, as `far_sums`)."""
-    with single_threaded(states.device):
+    with threads.small():
         return _far_sums_backward_loop(states, c_before, c_after, grad_far, num_chunks, reach, needs_before,
                                        needs_after)
 

@@ -23,15 +23,17 @@ from .nprf_features import (
     rows_with_keys,
     values_and_ones,
 )
+from .nprf_near_field import NearField, near_field_inputs
 from .nprf_positions import masked_bias, toeplitz_coefficients
+from .nprf_schedule import SERIAL
+from .options import NEAR_FIELD_VARIANTS
 
 
-def banded_attention_recomputed(query, key, value, bias, projection, key_padding_mask, terms, band_width, causal,
-                                variant, output_kept_outside=False):
-    """z [B, H, n, d_v] of the banded algorithm under autograd, the features rebuilt in backward (arguments as
-    `nprf_dispatch.AttentionCall`'s, bias [H, 2n - 1] without the -inf of the future, applied here when causal;
-    terms an `AttentionTerms` whose trained tensors do not read the product's value, see
-    `AttentionTerms.product_value_read`).
+def banded_attention_recomputed(call, band_width):
+    """z [B, H, n, d_v] of the banded algorithm under autograd, the features rebuilt in backward, for `call` (an
+    `nprf_dispatch.AttentionCall`; it reads rpe_bias [H, 2n - 1], without the -inf of the future, applied here when
+    causal; its terms an `AttentionTerms` whose trained tensors do not read the product's value, see
+    `AttentionTerms.product_value_read`) and the resolved band width.
 
     The output is laid out as query (a [B, H, n, d] view of [B, n, H, d] storage, as the models pass it, gives the
     same view): the models' transpose back to [B, n, H * d] is then free, and the output projection keeps for its
@@ -39,33 +41,60 @@ def banded_attention_recomputed(query, key, value, bias, projection, key_padding
 
     `output_kept_outside`: z is not kept here; before backward the caller sets the Function's `kept_output` (its
     grad_fn's attribute) to a tensor equal to z. `nprf_cpu_split` does, for the items of one call: it keeps the one
-    output the call returns, where each item keeping its own z would keep a second copy per layer."""
+    output the call returns, where each item keeping its own z would keep a second copy per layer.
+
+    `call.near_field_width`: with variant "nprf_near" (terms without pair terms) the exact near field's width (None:
+    the band width), whose unit vectors are rebuilt in backward with the features. `call.threads`: the banded
+    product's `nprf_schedule` scheduler, forward and backward."""
+    query, terms, variant = call.query, call.terms, call.variant
     dtype = compute_dtype(query.dtype)
-    mask = None if key_padding_mask is None else key_padding_mask.to(device=query.device, dtype=dtype)
-    setup = (mask, terms, band_width, causal, variant, output_kept_outside)
-    return _KeptOutputAttention.apply(setup, query, key, value, bias, projection, *terms.tensors())
+    mask = None if call.key_padding_mask is None else call.key_padding_mask.to(device=query.device, dtype=dtype)
+    near_field_width = (call.near_field_width or band_width) if variant in NEAR_FIELD_VARIANTS else None
+    if near_field_width is not None:  # the window must hold the near pairs
+        band_width = max(band_width, near_field_width)
+    setup = (mask, terms, band_width, call.causal, variant, call.output_kept_outside, near_field_width, call.threads)
+    return _KeptOutputAttention.apply(setup, query, call.key, call.value, call.rpe_bias, call.projection,
+                                      *terms.tensors())
 
 
-def _product(phi_q, phi_k, value, c, shift, terms, band_width, causal, product):
-    """sum_j w_ij [v_j | 1] [B, H, n, e] with every term, `product(phi_q, keys, value, c)` the banded product."""
+def _product(phi_q, phi_k, value, c, shift, terms, band_width, causal, product, near=None, threads=SERIAL):
+    """sum_j w_ij [v_j | 1] [B, H, n, e] with every term, `product(phi_q, keys, value, c, band_width, causal, near,
+    threads)` the banded product."""
     return terms.product(
-        lambda keys: product(phi_q, keys, value, c, band_width, causal), phi_q, phi_k, lambda: values_and_ones(value),
-        shift, "banded", phi_q.dtype,
+        lambda keys: product(phi_q, keys, value, c, band_width, causal, near, threads), phi_q, phi_k,
+        lambda: values_and_ones(value, threads=threads), shift, False, phi_q.dtype,
     )
+
+
+def _features(query, key, projection, mask, dtype, terms, variant, near_width):
+    """(phi_q, phi_k, the `NearField` or None) of the call."""
+    units = None if near_width is None else []
+    phi_q, phi_k = query_key_features(query, key, projection, mask, dtype, terms.logit_scale, variant=variant,
+                                      units=units)
+    if near_width is None:
+        return phi_q, phi_k, None
+    return phi_q, phi_k, near_field_inputs(query, key, mask, terms.logit_scale, near_width, dtype, units)
+
+
+def _banded_backward(phi_q, phi_k, value, c, band_width, causal, near, threads):
+    near_inputs = (None,) * 4 if near is None else (near.query, near.key, near.width, near.key_mask)
+    return _BandedBackward.apply(phi_q, phi_k, value, c, band_width, causal, *near_inputs, threads)
 
 
 class _KeptOutputAttention(torch.autograd.Function):
     """z = numerator / denominator of the banded product of (query, key, value, bias, projection, term tensors),
-    see `banded_attention_recomputed`; setup: (mask, terms, band_width, causal, variant, output_kept_outside)."""
+    see `banded_attention_recomputed`; setup: (mask, terms, band_width, causal, variant, output_kept_outside,
+    near_width, threads)."""
 
     @staticmethod
     def forward(ctx, setup, query, key, value, bias, projection, *term_tensors):
-        mask, terms, band_width, causal, variant, output_kept_outside = setup
+        mask, terms, band_width, causal, variant, output_kept_outside, near_width, threads = setup
         dtype = compute_dtype(query.dtype)
         c, shift = toeplitz_coefficients(masked_bias(bias, query.shape[-2], causal))
-        phi_q, phi_k = query_key_features(query, key, projection, mask, dtype, terms.logit_scale, variant=variant)
-        out = _product(phi_q, phi_k, value.to(dtype), c, shift, terms, band_width, causal, banded_toeplitz_attention)
-        del phi_q, phi_k, c
+        phi_q, phi_k, near = _features(query, key, projection, mask, dtype, terms, variant, near_width)
+        out = _product(phi_q, phi_k, value.to(dtype), c, shift, terms, band_width, causal, banded_toeplitz_attention,
+                       near, threads)
+        del phi_q, phi_k, c, near
         denominator = kept_denominator(out[..., -1:], rows_with_keys(mask, causal))
         z = empty_like_query(query, value.shape[-1], dtype=out.dtype)
         z = torch.div(out[..., :-1], denominator, out=z).to(query.dtype)
@@ -77,7 +106,7 @@ class _KeptOutputAttention(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_z):
-        mask, terms, band_width, causal, variant, output_kept_outside = ctx.setup
+        mask, terms, band_width, causal, variant, output_kept_outside, near_width, threads = ctx.setup
         query, key, value, band, projection, z, denominator, *term_tensors = ctx.saved_tensors
         if output_kept_outside:
             z, ctx.kept_output = getattr(ctx, "kept_output", None), None
@@ -94,8 +123,9 @@ class _KeptOutputAttention(torch.autograd.Function):
         terms = terms.with_tensors(term_tensors)
         with torch.enable_grad():
             c, shift = toeplitz_coefficients(masked_bias(bias, query.shape[-2], causal))
-            phi_q, phi_k = query_key_features(query, key, projection, mask, dtype, terms.logit_scale, variant=variant)
-            out = _product(phi_q, phi_k, value.to(dtype), c, shift, terms, band_width, causal, _BandedBackward.apply)
+            phi_q, phi_k, near = _features(query, key, projection, mask, dtype, terms, variant, near_width)
+            out = _product(phi_q, phi_k, value.to(dtype), c, shift, terms, band_width, causal, _banded_backward, near,
+                           threads)
             wanted = [leaf for leaf, need in zip(leaves, needs) if need]
             grads = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True))
         return (None, *(next(grads) if need else None for need in needs))
@@ -133,16 +163,20 @@ class _BandedBackward(torch.autograd.Function):
     the features and is never read (a term whose gradient reads the product's value takes the checkpointed path)."""
 
     @staticmethod
-    def forward(ctx, phi_q, phi_k, value, c, band_width, causal):
-        ctx.save_for_backward(phi_q, phi_k, value, c)
-        ctx.band_width, ctx.causal = band_width, causal
+    def forward(ctx, phi_q, phi_k, value, c, band_width, causal, q_near=None, k_near=None, near_width=None,
+                key_mask=None, threads=SERIAL):
+        ctx.save_for_backward(phi_q, phi_k, value, c, q_near, k_near, key_mask)
+        ctx.band_width, ctx.causal, ctx.near_width, ctx.threads = band_width, causal, near_width, threads
         return phi_q.new_zeros(()).expand(*phi_q.shape[:-1], value.shape[-1] + 1)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        phi_q, phi_k, value, c = ctx.saved_tensors
+        phi_q, phi_k, value, c, *near = ctx.saved_tensors  # (a subclass may keep the first four only)
+        near = NearField(*near[:2], ctx.near_width, near[2]) if near and near[0] is not None else None
         grads = banded_toeplitz_backward(
-            phi_q, phi_k, value, c, ctx.band_width, ctx.causal, grad_out.contiguous(), ctx.needs_input_grad[3]
+            phi_q, phi_k, value, c, ctx.band_width, ctx.causal, grad_out.contiguous(), ctx.needs_input_grad[3], near,
+            ctx.threads
         )
-        return (*grads, None, None)
+        # (a subclass's forward may take the first six inputs only)
+        return (*grads[:4], None, None, *grads[4:], None, None, None)[: len(ctx.needs_input_grad)]

@@ -1,9 +1,10 @@
 # coding=utf-8
 """The banded algorithm's near product (`nprf_banded`): out[k] = ((q[k] @ K_k) * coefficients) @ U_k for every
 query chunk k and its window of keys, one custom op with its backward (torch.compile keeps it opaque), eager
-kernels that work a group of chunks of one sequence at a time, in cache (on the CPU a sequence per thread,
-`nprf_cpu_threads`). With the exact near field the window's weights add exp(q_near[k] @ K_near_k) times the near
-coefficients, and the feature scores are computed only on the window's blocks that hold far pairs.
+kernels that work a group of chunks of one sequence at a time, in cache (a sequence per item of the caller's
+`nprf_schedule` scheduler: on the CPU a sequence per thread). With the exact near field the window's weights add
+exp(q_near[k] @ K_near_k) times the near coefficients, and the feature scores are computed only on the window's
+blocks that hold far pairs.
 """
 
 import itertools
@@ -12,8 +13,9 @@ import re
 from typing import Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 
-from .nprf_cpu_threads import parallel_items, parallel_slots
+from .nprf_schedule import SERIAL
 
 
 # Chunks per group of the window product: [32, s, 3s] weights stay in cache.
@@ -31,7 +33,8 @@ def _free_library(base, op):
 
 # torch.compile sees the near product, forward and backward, as two opaque ops that run the eager kernels (a group
 # of chunks at a time, in cache): traced as whole-tensor ops it computed every chunk's weights at once and ran 5-6%
-# slower than eager at 4k-16k tokens.
+# slower than eager at 4k-16k tokens. An op takes no scheduler: the ops loop over the sequences on the calling
+# thread (`SERIAL`), eager calls run `window_product`'s Function on the caller's.
 _LIBRARY = _free_library(re.sub(r"\W", "_", __name__), "band_window_product")
 
 
@@ -50,6 +53,11 @@ def band_window_product(
     The exact near field (all three or none): q_near [B*H*chunks, s, f], k_near_rows [B*H, rows, f] and
     near_coefficients [H, s, window] add exp(q_near[k] @ K_near_k) * near_coefficients to the weights.
     """
+    return _window_product(q, k_rows, u_rows, coefficients, q_near, k_near_rows, near_coefficients, SERIAL)
+
+
+def _window_product(q, k_rows, u_rows, coefficients, q_near, k_near_rows, near_coefficients, threads):
+    """`band_window_product` with its sequences as the items of `threads` (an `nprf_schedule` scheduler)."""
     heads, chunk, window = coefficients.shape
     sequences = k_rows.shape[0]
     num_chunks = q.shape[0] // sequences
@@ -61,7 +69,7 @@ def band_window_product(
     out = q.new_empty(q.shape[0], chunk, u_rows.shape[-1])
     # one buffer per thread (two with the near field), reused: no allocation per group
     buffers = [q.new_empty(1 + near, min(BANDED_GROUP, num_chunks) * chunk * window)
-               for _ in range(parallel_slots(sequences, q.device))]
+               for _ in range(threads.slots(sequences))]
 
     def sequence_product(sequence, slot):
         coefficient = coefficients[sequence % heads]
@@ -79,7 +87,7 @@ def band_window_product(
                     weights[:, :, start:stop].addcmul_(scores, coefficient[:, start:stop])
             torch.bmm(weights, u_windows[sequence, first:last], out=out[rows])
 
-    parallel_items(sequences, sequence_product, q.device)
+    threads.items(sequences, sequence_product)
     return out
 
 
@@ -125,10 +133,38 @@ def _band_window_product_grad(ctx, grad_out):
 band_window_product.register_autograd(_band_window_product_grad, setup_context=_save_band_window_inputs)
 
 
+def window_product(q, k_rows, u_rows, coefficients, *near, threads=SERIAL):
+    """`band_window_product` (`near`: its three near-field inputs or none), its sequences the items of `threads`
+    where eager; compiled, the opaque op."""
+    if torch.compiler.is_compiling():
+        return band_window_product(q, k_rows, u_rows, coefficients, *near)
+    return _WindowProduct.apply(threads, q, k_rows, u_rows, coefficients, *near)
+
+
+class _WindowProduct(torch.autograd.Function):
+    """The eager `band_window_product` and its backward on the caller's scheduler (which an op could not take)."""
+
+    @staticmethod
+    def forward(ctx, threads, q, k_rows, u_rows, coefficients, *near):
+        ctx.save_for_backward(q, k_rows, u_rows, coefficients, *near)
+        ctx.threads = threads
+        return _window_product(q, k_rows, u_rows, coefficients, *(near or (None, None, None)), threads)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        needs = ctx.needs_input_grad[1:]
+        needs_coefficients = needs[3] or (len(needs) > 6 and needs[6])
+        q, k_rows, u_rows, coefficients, *near = ctx.saved_tensors
+        grads = _band_window_backward(q, k_rows, u_rows, coefficients, grad_out, needs_coefficients, *near,
+                                      threads=ctx.threads)
+        return (None, *(grad if needed else None for grad, needed in zip(grads, needs)))
+
+
 def _band_window_backward(q, k_rows, u_rows, coefficients, grad_out, needs_coefficients, q_near=None,
-                          k_near_rows=None, near_coefficients=None):
+                          k_near_rows=None, near_coefficients=None, threads=SERIAL):
     """(grad q, k_rows, u_rows, coefficients or None, q_near, k_near_rows, near_coefficients: None without the near
-    field) of `band_window_product` for grad_out [B*H*chunks, s, e]."""
+    field) of `band_window_product` for grad_out [B*H*chunks, s, e], its sequences the items of `threads`."""
     heads, chunk, window = coefficients.shape
     sequences = k_rows.shape[0]
     num_chunks = q.shape[0] // sequences
@@ -150,7 +186,7 @@ def _band_window_backward(q, k_rows, u_rows, coefficients, grad_out, needs_coeff
     buffers = [(*(q.new_empty(group, chunk, window) for _ in range(3 + 2 * near)),
                 q.new_empty(group, window, u_rows.shape[-1]), q.new_empty(group, window, q.shape[-1]),
                 q.new_empty(group, window, q_near.shape[-1]) if near else None)
-               for _ in range(parallel_slots(sequences, q.device))]
+               for _ in range(threads.slots(sequences))]
 
     def sequence_backward(sequence, slot):
         scores_buffer, grad_weights_buffer, product_buffer, *near_buffers, grad_u_windows, grad_k_windows, \
@@ -197,7 +233,7 @@ def _band_window_backward(q, k_rows, u_rows, coefficients, grad_out, needs_coeff
                                          out=_flat(grad_k_windows, count, stop - start, q.shape[-1]))
                 _fold_windows(grad_k_block, grad_k[sequence], first + start // chunk, chunk)
 
-    parallel_items(sequences, sequence_backward, q.device)
+    threads.items(sequences, sequence_backward)
     grad_near_coefficients = None
     if grad_coefficients is not None:
         grad_coefficients = grad_coefficients.view(1 + near, -1, heads, chunk, window).sum(1)

@@ -17,11 +17,11 @@ one minus the left halo's (counted exactly already), S^+ likewise; causal attent
 gradients summed over the ranks (as DDP and FSDP sum them) are one process's. Softmax's ring attention passes every
 shard's K and V around the ring instead: (P - 1) / P x N x d x 2 per head and rank, growing with N.
 
-`context_parallel()` makes the NPRF models use this (`modeling_nprf` reads `context_parallel_group()`).
+`attention_nprf.context_parallel()` makes the NPRF models use this: the layers read its group at the edge and pass
+it in; nothing here keeps state.
 """
 
 import bisect
-import contextlib
 
 import torch
 import torch.distributed as dist
@@ -33,41 +33,13 @@ from .nprf_banded_recompute import _BandedBackward
 from .nprf_dispatch import RECOMPUTE_MIN_BYTES
 from .nprf_features import compute_dtype, normalize_attention, query_key_features, values_and_ones, variant_features
 from .nprf_positions import masked_bias
+from .nprf_schedule import SERIAL
 from .options import ATTENTION_VARIANTS, KEY_VALUE_CACHE_VARIANTS
 
 
-# The process groups of the active `context_parallel` blocks, innermost last. A plain list, not a ContextVar:
-# torch.compile traces a read of it (fullgraph), and guards on it.
-_GROUPS = []
 # The variants whose kernel factors into features (the quadratic ones build n x n weights: nothing to shard).
 # (The exact near field's band is not sharded yet: the halo carries its keys, but the correction does not run here.)
 FEATURE_VARIANTS = tuple(v for v in ATTENTION_VARIANTS if v not in KEY_VALUE_CACHE_VARIANTS)
-
-
-@contextlib.contextmanager
-def context_parallel(group=None):
-    """NPRF self-attention over a sequence sharded across the ranks of `group` (None: the default process group)
-    while the block is active.
-
-    Each rank passes its contiguous shard of every sequence (`input_ids[:, lo:hi]`, the ranks in order; equal
-    shards except the last, or any lengths >= 1) and gets its shard of the one-process outputs: position ids and
-    the relative position bias follow global positions. Gradients summed over the ranks equal one process's. A
-    decoder called without `use_cache` runs without a cache (`use_cache=True` is refused). Gradient checkpointing
-    (untested) recomputes layers in backward, which must then run inside the block too. Attention weights
-    (`output_attentions`), general 4D masks and the segment / word-matching / first-key terms are not supported.
-    """
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("context_parallel needs torch.distributed initialized (dist.init_process_group)")
-    _GROUPS.append(dist.group.WORLD if group is None else group)
-    try:
-        yield
-    finally:
-        _GROUPS.pop()
-
-
-def context_parallel_group():
-    """The process group of the active `context_parallel` block, or None outside one."""
-    return _GROUPS[-1] if _GROUPS else None
 
 
 class _AllGather(torch.autograd.Function):
@@ -105,11 +77,10 @@ def shard_lengths(n, device, group=None):
     return lengths[:, 0].tolist()
 
 
-def shard_position_offset(input_ids, length, padding_idx, device):
-    """What this rank's position ids start from, added to `past_key_values_length`: 0 outside `context_parallel`;
-    else the number of tokens in the shards before it, or with `padding_idx` (RoBERTa's positions count the real
-    tokens) and input ids, [B, 1] counts of their real tokens per sequence."""
-    group = context_parallel_group()
+def shard_position_offset(input_ids, length, padding_idx, device, group):
+    """What this rank's position ids start from, added to `past_key_values_length`: 0 outside `context_parallel`
+    (`group` None); else the number of tokens in the shards before it, or with `padding_idx` (RoBERTa's positions
+    count the real tokens) and input ids, [B, 1] counts of their real tokens per sequence."""
     if group is None:
         return 0
     if padding_idx is None or input_ids is None:
@@ -308,7 +279,7 @@ class _BandedProduct(_BandedBackward):
     @staticmethod
     def forward(ctx, phi_q, phi_k, value, c, band_width, causal):
         ctx.save_for_backward(phi_q, phi_k, value, c)
-        ctx.band_width, ctx.causal = band_width, causal
+        ctx.band_width, ctx.causal, ctx.threads = band_width, causal, SERIAL  # (the shards' threads: torch's)
         return banded_toeplitz_attention(phi_q, phi_k, value, c, band_width, causal)
 
 

@@ -6,10 +6,10 @@ regions (the feature map's and the division's elementwise operators, the product
 each region's barrier waits for a thread the OS may have parked behind another process (measured: docs/RESULTS.md
 "On a busy CPU"); SDPA's fused kernel is a single region. Here a call is cut into items of a few heads (over
 all its sequences, or with fewer heads than items over groups of them), and whichever of the threads is free computes
-an item entirely (features, Toeplitz product, terms, division) with single-threaded operators
-(`nprf_cpu_threads.parallel_items`): one region per call, and a descheduled thread simply takes fewer items. Under
-autograd each item keeps its own graph and the backward runs the items' graphs the same way. An item of a few heads
-also keeps its [n, m] features in the core's cache.
+an item entirely (features, Toeplitz product, terms, division) with single-threaded operators (the call's
+`nprf_schedule` scheduler: on the CPU the edge's pool, `nprf_cpu_threads`): one region per call, and a descheduled
+thread simply takes fewer items. Under autograd each item keeps its own graph and the backward runs the items'
+graphs the same way. An item of a few heads also keeps its [n, m] features in the core's cache.
 
 Exact: every item is the same math on its own rows and heads; gradients of tensors shared by items (the bias
 table, a shared projection, the terms' parameters) are summed in the items' order, the same on every run.
@@ -18,7 +18,6 @@ table, a shared projection, the terms' parameters) are summed in the items' orde
 import torch
 from torch.autograd.function import once_differentiable
 
-from .nprf_cpu_threads import parallel_items, parallel_slots, release_freed_memory
 from .nprf_features import empty_like_query
 from .nprf_positions import masked_bias
 
@@ -50,22 +49,22 @@ def attention_in_items(call, route, run):
         parts = [_cut(t, rows, cut, i) for i, t in enumerate(tensors)]
         out[rows, cut] = run(_item_call(call, parts, rows), route)
 
-    parallel_items(len(items), item, call.query.device)
+    call.threads.items(len(items), item)
     return out
 
 
 def split_items(call, route, needs_grad):
-    """[(rows, heads)] slices covering the call, or None where it runs as one item: another backend, one thread,
+    """[(rows, heads)] slices covering the call, or None where it runs as one item: one thread,
     a small call or short sequences, a key padding mask that wants a gradient, or under autograd (`needs_grad`:
     a gradient flows to one of the call's tensors) saved-tensor hooks on this thread (activation checkpointing or
     offloading: an item's graph, kept by the autograd Function, would escape them)."""
     query, value = call.query, call.value
     batch, heads, n, _ = query.shape
-    if route.backend != "torch" or n < SPLIT_MIN_LENGTH or (
+    if n < SPLIT_MIN_LENGTH or (
         batch * heads * n * (call.projection.shape[-2] + value.shape[-1]) < SPLIT_MIN_ELEMENTS
     ):
         return None
-    threads = parallel_slots(batch * heads, query.device)
+    threads = call.threads.slots(batch * heads)
     mask = call.key_padding_mask
     if threads == 1 or (mask is not None and mask.requires_grad):
         return None
@@ -148,12 +147,13 @@ class _ItemsAttention(torch.autograd.Function):
             out[rows, cut] = z.detach()
             graphs[index] = (_root(z), leaves, z.grad_fn if lean else None)
 
-        parallel_items(len(items), item, query.device)
+        call.threads.items(len(items), item)
         # (the mode exists to save memory: a 12-layer 16,384-token training step split this way peaked 502 MiB
         # higher in resident memory untrimmed, 11,505 against 11,004 MiB unsplit; trimmed, 10,779)
         if lean:
-            release_freed_memory()
+            call.threads.release()
         ctx.graphs, ctx.items, ctx.inputs = graphs, items, [(t.shape, t.dtype) for t in tensors]
+        ctx.threads = call.threads
         ctx.save_for_backward(out if lean else None)
         return out
 
@@ -190,9 +190,9 @@ class _ItemsAttention(torch.autograd.Function):
                     else:
                         part.copy_(grad)
 
-        parallel_items(len(items), item, grad_out.device)
+        ctx.threads.items(len(items), item)
         if kept is not None:  # the lean mode
-            release_freed_memory()
+            ctx.threads.release()
         for i, ((shape, dtype), want) in enumerate(zip(ctx.inputs, wanted)):
             if want and i >= 3:
                 out[i] = grad_out.new_zeros(shape, dtype=dtype)

@@ -13,15 +13,22 @@ Only the calling thread's own settings change, and only while a call runs: OpenM
 (`omp_set_num_threads` from a thread outside any parallel region sets that thread's value) and MKL's
 thread-local count (`mkl_set_num_threads_local`). Where this torch build exposes neither (another OpenMP
 runtime, no MKL symbols), everything runs as before: `parallel_items` loops on the calling thread.
+
+This module sits at the edge of the math (issue 56): the math imports none of it, and runs its loops on the
+`nprf_schedule` scheduler it is given; `threads_for` builds the CPU's (`CpuThreads`) for an attention call or a
+decode step, or `SERIAL` where `Routing.cpu_threads` is False.
 """
 
 import contextlib
 import ctypes
+import functools
 import os
 import threading
 import time
 
 import torch
+
+from .nprf_schedule import SERIAL
 
 
 def _load_controls():
@@ -48,15 +55,9 @@ def _load_controls():
     return set_omp, get_omp, set_mkl
 
 
-_CONTROLS = None
-_CONTROLS_LOADED = False
-
-
+@functools.cache  # (looked up once per process: the symbols do not change)
 def _controls():
-    global _CONTROLS, _CONTROLS_LOADED
-    if not _CONTROLS_LOADED:
-        _CONTROLS, _CONTROLS_LOADED = _load_controls(), True
-    return _CONTROLS
+    return _load_controls()
 
 
 def _malloc_trim():
@@ -144,6 +145,7 @@ class ThreadChoice:
     PROBE_EVERY = 32
 
     def __init__(self, clock=None):
+        self.enabled = True  # False: the steps run as they are (the layers' `Routing.cpu_threads`, set by the cache)
         self.seconds = {False: None, True: None}  # single-threaded? -> the estimate of a step's seconds that way
         # not time.perf_counter itself: a cache made inside a compiled forward could not be returned holding it
         self.steps, self.clock = 0, clock
@@ -163,7 +165,7 @@ class ThreadChoice:
         """A block run as one step: on one thread or all, as `single()` says, and timed. Changes nothing on another
         device, under torch.compile (whose graph is one region per fused loop), with one thread, or where
         `available()` is False."""
-        if _controls_for(device) is None:
+        if not getattr(self, "enabled", True) or _controls_for(device) is None:  # (one pickled before: enabled)
             yield
             return
         single = self.single()
@@ -291,3 +293,31 @@ def parallel_slots(count, device):
     if count < 2 or torch.device(device).type != "cpu" or not available() or torch.compiler.is_compiling():
         return 1
     return max(1, min(torch.get_num_threads(), count))
+
+
+class CpuThreads:
+    """The math's scheduler (`nprf_schedule`) on this module's threads for tensors on `device`: items on the pool,
+    small blocks single-threaded, freed memory trimmed. Each method does what its function above does, so on another
+    device, under torch.compile, with one thread or inside an item it changes nothing."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def items(self, count, task, static=False):
+        parallel_items(count, task, self.device, static)
+
+    def slots(self, count):
+        return parallel_slots(count, self.device)
+
+    def small(self, elements=None):
+        return single_threaded(self.device) if elements is None else single_threaded_below(elements, self.device)
+
+    def release(self):
+        release_freed_memory()
+
+
+def threads_for(device, routing=None):
+    """The scheduler of a call on `device`: `CpuThreads` on the CPU unless `routing.cpu_threads` (an
+    `nprf_dispatch.Routing`) is False, else `nprf_schedule.SERIAL`. The one place the edge decides."""
+    enabled = routing is None or routing.cpu_threads
+    return CpuThreads(device) if enabled and torch.device(device).type == "cpu" else SERIAL

@@ -1,6 +1,6 @@
 # coding=utf-8
 """The dense algorithm: the n x n weights kappa(q_i, k_j) c_{j-i}, then one matmul. O(n^2 (m + e)); the fastest
-below about 1.6-1.7 banded windows (`nprf_dispatch.CROSSOVERS`) and the only one for the quadratic variants,
+below about 1.6-1.7 banded windows (`nprf_dispatch.Routing`) and the only one for the quadratic variants,
 whose exact kernels (`exact_kernel`) do not factor into features.
 
 Products take phi_q, phi_k [B, H, n, m] (padded keys zeroed), u [B, H, n, e] and c [H, 2n - 1] and return
@@ -17,10 +17,10 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
-from .nprf_cpu_threads import parallel_items, parallel_slots
 from .nprf_features import NORM_EPS, kept_denominator, row_norms
 from .nprf_near_field import band_of, near_field_kernel
 from .nprf_positions import toeplitz_matrix
+from .nprf_schedule import SERIAL
 
 
 # Bytes of n x n weights the in-cache products scale and read in one group: they stay in cache between the two
@@ -37,7 +37,7 @@ def dense_toeplitz_attention(phi_q, phi_k, u, c, near=None):
     return (kernel * toeplitz_matrix(c, phi_q.shape[-2])) @ u
 
 
-def dense_toeplitz_inference(phi_q, phi_k, value, c, key_lengths, normalized=False, near=None):
+def dense_toeplitz_inference(phi_q, phi_k, value, c, key_lengths, normalized=False, near=None, threads=SERIAL):
     """`dense_toeplitz_attention` without autograd, from the values [B, H, n, d_v] (the denominators are the
     weights' row sums): a few heads at a time, so that their n x n weights are scaled by C and read twice
     while they are in cache, and each sequence's keys cut after its last kept one (`key_lengths` [B] ints;
@@ -45,7 +45,7 @@ def dense_toeplitz_inference(phi_q, phi_k, value, c, key_lengths, normalized=Fal
     Returns [B, H, n, d_v + 1], or with `normalized` the attention output [B, H, n, d_v] (divided by
     `kept_denominator`: rows with no key, whose denominator is exactly 0 here, give zeros). `near`: an
     `nprf_near_field.NearField` (as in `dense_toeplitz_attention`)."""
-    return _dense_forward(*_kernel_inputs(phi_q, phi_k, near), value, c, key_lengths, normalized)[0]
+    return _dense_forward(*_kernel_inputs(phi_q, phi_k, near), value, c, key_lengths, normalized, threads)[0]
 
 
 def _kernel_inputs(phi_q, phi_k, near):
@@ -113,7 +113,8 @@ def _near_toeplitz(c, n, width):
     return toeplitz.masked_fill(inside, 0.0), toeplitz.masked_fill(~inside, 0.0)
 
 
-def _dense_forward(phi_q, phi_k, q_near, k_near, width, key_mask, exponential, value, c, key_lengths, normalized):
+def _dense_forward(phi_q, phi_k, q_near, k_near, width, key_mask, exponential, value, c, key_lengths, normalized,
+                   threads=SERIAL):
     """(out, divisors): `dense_toeplitz_inference`'s output and, when normalized, the divisors [B, H, n, 1] used
     (the denominators, inf for rows with no key); the near field given as `_kernel_inputs`."""
     batch, heads, n, _ = phi_q.shape
@@ -121,10 +122,10 @@ def _dense_forward(phi_q, phi_k, q_near, k_near, width, key_mask, exponential, v
     toeplitz, near_toeplitz = _near_toeplitz(c, n, width)
     near = near_toeplitz is not None
     group = _head_group(heads, n, phi_q.element_size(), 1 + near)
-    # per thread (a sequence per thread on the CPU: `nprf_cpu_threads`)
+    # per slot of `threads` (a sequence per item; on the CPU per thread)
     buffers = [(phi_q.new_empty(group * n * n), None if normalized else phi_q.new_empty(group, n, d),
                 phi_q.new_empty(group * n * n) if near else None)
-               for _ in range(parallel_slots(batch, phi_q.device))]
+               for _ in range(threads.slots(batch))]
     out = phi_q.new_empty(batch, heads, n, d if normalized else d + 1)
     divisors = phi_q.new_empty(batch, heads, n, 1) if normalized else None
 
@@ -160,11 +161,11 @@ def _dense_forward(phi_q, phi_k, q_near, k_near, width, key_mask, exponential, v
                 out[b, first:last, :, :d] = torch.matmul(weights, value[b, first:last, :length], out=numerator[: last - first])
                 torch.sum(weights, dim=-1, keepdim=True, out=out[b, first:last, :, d:])
 
-    parallel_items(batch, sequence_forward, phi_q.device)
+    threads.items(batch, sequence_forward)
     return out, divisors
 
 
-def dense_toeplitz_training(phi_q, phi_k, value, c, key_lengths, normalized=False, near=None):
+def dense_toeplitz_training(phi_q, phi_k, value, c, key_lengths, normalized=False, near=None, threads=SERIAL):
     """`dense_toeplitz_attention` for autograd, from the values [B, H, n, d_v] as `dense_toeplitz_inference` (the
     denominators are the weights' row sums), without its two [B, H, n, n] tensors (phi_q phi_k^T and the weights)
     kept from forward to backward: forward and backward run a few heads of one sequence at a time, so that their
@@ -174,7 +175,8 @@ def dense_toeplitz_training(phi_q, phi_k, value, c, key_lengths, normalized=Fals
     Returns [B, H, n, d_v + 1], or with `normalized` the attention output [B, H, n, d_v] (rows with no key zero;
     it then also keeps that output and the divisors [B, H, n, 1], whose backward it computes in cache). `near`: an
     `nprf_near_field.NearField` (as in `dense_toeplitz_attention`)."""
-    return _DenseToeplitzProduct.apply(*_kernel_inputs(phi_q, phi_k, near), value, c, tuple(key_lengths), normalized)
+    setup = (tuple(key_lengths), normalized, threads)
+    return _DenseToeplitzProduct.apply(*_kernel_inputs(phi_q, phi_k, near), value, c, setup)
 
 
 def _head_group(heads, n, element_size, buffers):
@@ -187,12 +189,14 @@ class _DenseToeplitzProduct(torch.autograd.Function):
     `dense_toeplitz_training`."""
 
     @staticmethod
-    def forward(ctx, phi_q, phi_k, q_near, k_near, width, key_mask, exponential, value, c, lengths, normalized):
+    def forward(ctx, phi_q, phi_k, q_near, k_near, width, key_mask, exponential, value, c, setup):
+        lengths, normalized, threads = setup  # (key lengths, normalized?, the `nprf_schedule` scheduler)
         out, divisors = _dense_forward(phi_q, phi_k, q_near, k_near, width, key_mask, exponential, value, c, lengths,
-                                       normalized)
+                                       normalized, threads)
         ctx.save_for_backward(phi_q, phi_k, value, c, q_near, k_near, key_mask,
                               *((out, divisors) if normalized else ()))
         ctx.lengths, ctx.normalized, ctx.width, ctx.exponential = lengths, normalized, width, exponential
+        ctx.threads = threads
         return out
 
     @staticmethod
@@ -220,7 +224,7 @@ class _DenseToeplitzProduct(torch.autograd.Function):
         group = _head_group(heads, n, phi_q.element_size(), 2 + near)
         # per thread, a sequence per thread on the CPU; C's gradient summed per thread, each thread's sequences
         # fixed (`static`), then over the threads in order: the same on every run
-        slots = parallel_slots(batch, phi_q.device)
+        slots = ctx.threads.slots(batch)
         buffers = [(phi_q.new_empty(group * n * n), phi_q.new_empty(group * n * n),
                     phi_q.new_zeros(heads, n, n) if need_c else None, phi_q.new_empty(group * n * n) if near else None)
                    for _ in range(slots)]
@@ -279,7 +283,7 @@ class _DenseToeplitzProduct(torch.autograd.Function):
                 _feature_grads(grad_weights, q, k, ctx.width, grad_q[b, heads_] if need_q else None,
                                grad_k[b, heads_, :length] if need_k else None)
 
-        parallel_items(batch, sequence_backward, phi_q.device, static=True)
+        ctx.threads.items(batch, sequence_backward, static=True)
         grad_c = None
         if need_c:  # C_ij = c_{j-i}: each coefficient gets the sum of its diagonal
             positions = torch.arange(n, device=c.device)
@@ -288,7 +292,7 @@ class _DenseToeplitzProduct(torch.autograd.Function):
             for buffer in buffers[1:]:
                 grad_toeplitz.add_(buffer[2])
             grad_c = torch.zeros_like(c).scatter_add_(1, index, grad_toeplitz.reshape(heads, -1))
-        return grad_q, grad_k, grad_q_near, grad_k_near, None, None, None, grad_v, grad_c, None, None
+        return grad_q, grad_k, grad_q_near, grad_k_near, None, None, None, grad_v, grad_c, None
 
 
 def key_lengths(mask, batch, n):

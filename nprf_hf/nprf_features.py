@@ -11,7 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .nprf_cpu_threads import single_threaded
+from .nprf_schedule import SERIAL
 from .options import FEATURE_MAPS
 
 
@@ -175,12 +175,13 @@ def query_key_features(query, key, projection, mask, dtype, logit_scale=None, he
     return phi_q, phi_k
 
 
-def values_and_ones(value, before=0, after=0):
+def values_and_ones(value, before=0, after=0, threads=SERIAL):
     """[B, H, before + n + after, d_v + 1]: the numerator's values and the denominator's ones column for
-    the n rows of `value` [B, H, n, d_v], with zero rows before and after; every element written once."""
+    the n rows of `value` [B, H, n, d_v], with zero rows before and after; every element written once (`threads`: an
+    `nprf_schedule` scheduler)."""
     batch, heads, n, d = value.shape
     u = value.new_empty(batch, heads, before + n + after, d + 1)
-    with single_threaded(value.device):  # the padding rows and the ones column: too small to split
+    with threads.small():  # the padding rows and the ones column: too small to split
         u[:, :, :before] = 0.0
         u[:, :, before + n :] = 0.0
         u[:, :, before : before + n, d] = 1.0

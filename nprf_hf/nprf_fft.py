@@ -1,7 +1,7 @@
 # coding=utf-8
 """The paper's algorithm: the Toeplitz product through real FFTs of the m * e channels of phi_k u^T,
 O(n log n) per channel. Without a band (a bias learned per distance) it is the fastest past
-`nprf_dispatch.CROSSOVERS`. Execution modes side by side: autograd and torch.compile (per head,
+`nprf_dispatch.Routing`. Execution modes side by side: autograd and torch.compile (per head,
 traced), and inference (one reused buffer, `fft_toeplitz_inference`: `nprf_dispatch`'s "inference" row, and what
 `fft_toeplitz_attention` runs itself when nothing it reads requires grad).
 """

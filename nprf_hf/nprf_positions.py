@@ -10,7 +10,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .nprf_cpu_threads import single_threaded
+from .nprf_schedule import SERIAL
 
 
 def t5_relative_position_bucket(relative_position, bidirectional=True, num_buckets=32, max_distance=128):
@@ -69,11 +69,12 @@ def far_bucket_table(table, far_bias, bidirectional=True):
     return table.masked_fill(farthest, far_bias)
 
 
-def relative_position_bias(table, seq_len, bidirectional=True, num_buckets=32, max_distance=128):
+def relative_position_bias(table, seq_len, bidirectional=True, num_buckets=32, max_distance=128, threads=SERIAL):
     """Expand a bucket table into the per-distance bias b_r.
 
     Args:
         table: [H, num_buckets].
+        threads: an `nprf_schedule` scheduler (the CPU's, from the edge).
     Returns:
         [H, 2 * seq_len - 1]; entry r + seq_len - 1 holds b_r for r = j - i.
     """
@@ -84,7 +85,7 @@ def relative_position_bias(table, seq_len, bidirectional=True, num_buckets=32, m
         # can generate the gather's scatter-add backward with wrong indices, writing out of bounds (see `diagonals`).
         buckets = _distance_buckets(seq_len, bidirectional, num_buckets, max_distance, table.device)
         return table @ F.one_hot(buckets, num_buckets).to(table.dtype).t()
-    with single_threaded(table.device):  # [H, 2n - 1]: operators too small to split (each split a barrier)
+    with threads.small():  # [H, 2n - 1]: operators too small to split (each split a barrier)
         return _BucketGather.apply(table, seq_len, bidirectional, max_distance)
 
 

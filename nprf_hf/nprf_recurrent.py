@@ -22,11 +22,10 @@ kernels (`nprf_triton.triton_decode_step`), and as the PyTorch product below oth
 
 import torch
 
-from .nprf_cpu_threads import single_threaded_below
-from .nprf_dispatch import kernel_or_auto
+from .nprf_dispatch import ROUTING, StepCall, choose_route, run_step
 from .nprf_features import compute_dtype, normalize_attention, values_and_ones, variant_features
 from .nprf_positions import t5_relative_position_bucket, toeplitz_coefficients
-from .nprf_triton import triton_decode_step
+from .nprf_schedule import SERIAL
 
 
 # New tokens of one forward call are attended in blocks of at most this many queries: the dense
@@ -98,31 +97,37 @@ def recurrent_attention(phi_q, phi_k, u, far_states, ring_features, ring_values,
     return out, far_states, ring_features, ring_values
 
 
-def key_features_and_values(key, value, new_mask, projection, variant, logit_scale):
+def key_features_and_values(key, value, new_mask, projection, variant, logit_scale, threads=SERIAL):
     """phi(k) [B, H, L, m] of the new keys (padded ones zeroed after the map: phi(0) != 0) and [v | 1]
     [B, H, L, d + 1], in the compute dtype."""
     dtype = compute_dtype(key.dtype)
     phi_k = variant_features(key.to(dtype), projection, variant, logit_scale)
     if new_mask is not None:
         phi_k = phi_k * new_mask[:, None, :, None].to(dtype)
-    return phi_k, values_and_ones(value.to(dtype))
+    return phi_k, values_and_ones(value.to(dtype), threads=threads)
 
 
 def recurrent_step(query, key, value, new_mask, state, table, projection, band_width, num_buckets, max_distance,
-                   algorithm, variant, terms):
+                   algorithm, variant, terms, routing=None, threads=SERIAL):
     """Attend L new tokens to the state of the keys before them: (out [B, H, L, d], the state after them).
 
     query, key, value [B, H, L, d]; new_mask None or bool [B, L] of the new tokens; state (far_states,
-    ring_features, ring_values); table [H, num_buckets] unidirectional bucket table; terms: feature terms only."""
+    ring_features, ring_values); table [H, num_buckets] unidirectional bucket table; terms: feature terms only;
+    routing: `nprf_dispatch.Routing` (None: ROUTING); threads: the `nprf_schedule` scheduler (the cache's). What runs
+    (one token on the fused kernel, or the PyTorch step) is `nprf_dispatch.choose_route`'s decision."""
     dtype = compute_dtype(query.dtype)
     c, _ = toeplitz_coefficients(causal_distance_bias(table, band_width, num_buckets, max_distance).to(dtype))
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, c, *state))
-    if query.shape[2] == 1 and not needs_grad and kernel_or_auto(
-        algorithm, query, projection, variant, terms
-    ) == "triton":
-        return triton_decode_step(query, key, value, new_mask, state, c, projection, terms.logit_scale)
-    with single_threaded_below(state[0].numel() * query.shape[2], query.device):  # a decode step: small operators
-        phi_k, u = key_features_and_values(key, value, new_mask, projection, variant, terms.logit_scale)
-        phi_q = variant_features(query.to(dtype), projection, variant, terms.logit_scale)
-        sums, *state = recurrent_attention(phi_q, phi_k, u, *state, c)
+    step = StepCall(query, key, value, new_mask, tuple(state), c, projection, terms, variant, routing or ROUTING,
+                    threads)
+    return run_step(step, choose_route(step, algorithm), _pytorch_step)
+
+
+def _pytorch_step(step):
+    """`recurrent_step` by the PyTorch products."""
+    query, dtype, logit_scale = step.query, compute_dtype(step.query.dtype), step.terms.logit_scale
+    with step.threads.small(step.state[0].numel() * query.shape[2]):  # a decode step: small operators
+        phi_k, u = key_features_and_values(step.key, step.value, step.new_mask, step.projection, step.variant,
+                                           logit_scale, step.threads)
+        phi_q = variant_features(query.to(dtype), step.projection, step.variant, logit_scale)
+        sums, *state = recurrent_attention(phi_q, phi_k, u, *step.state, step.c)
         return normalize_attention(sums[..., :-1], sums[..., -1:]).to(query.dtype), state

@@ -190,12 +190,12 @@ class TokenMatch(AttentionTerm):
         query_segments, key_segments = pair_ids(self.segment_ids.to(device), pairs)
         return (query_tokens == key_tokens) & (query_segments != key_segments)
 
-    def summand_product(self, phi_q, phi_k, u, algorithm):
+    def summand_product(self, phi_q, phi_k, u, pairwise):
         """sum over keys j with t_j = t_i and s_j != s_i of (phi_q_i . phi_k_j) u_j: [B, H, n, e]. Where the
-        attention itself is dense (short inputs), the n x n match mask is cheapest; otherwise the keys' states
-        phi_k u^T are summed per (batch, token) and per (batch, segment, token) group (linear in n) and a
-        query reads its token's total minus its own segment's part."""
-        if algorithm == "dense":
+        product builds the n x n pairs anyway (`pairwise`: dense), the n x n match mask is cheapest; otherwise the
+        keys' states phi_k u^T are summed per (batch, token) and per (batch, segment, token) group (linear in n) and
+        a query reads its token's total minus its own segment's part."""
+        if pairwise:
             return ((phi_q @ phi_k.transpose(-1, -2)) * self.matches(phi_q.device).to(phi_q.dtype)) @ u
         token_ids, segment_ids = self.token_ids.to(phi_q.device), self.segment_ids.to(phi_q.device)
         batch, heads, n, m = phi_k.shape
@@ -361,7 +361,7 @@ class AttentionTerms:
         scales = [term.feature_scale() for term in self.terms if term.feature_scale() is not None]
         return scales[0] if scales else None
 
-    def product(self, toeplitz_product, phi_q, phi_k, values_and_ones, shift, algorithm, dtype):
+    def product(self, toeplitz_product, phi_q, phi_k, values_and_ones, shift, pairwise, dtype):
         """The Toeplitz product with every term: sum_j w_ij [v_j | 1], [B, H, n, e].
 
         toeplitz_product: keys [B, H, n, m] -> sum_j c_{j-i} (phi_q_i . phi_k_j) u_j. values_and_ones: () -> u
@@ -375,7 +375,7 @@ class AttentionTerms:
         for term in self.terms:
             if hasattr(term, "summand_product"):
                 weight = _shifted(term.weight.to(dtype), shifts)
-                out = out + term.summand_product(phi_q, phi_k, values_and_ones(), algorithm) * weight[:, None, None]
+                out = out + term.summand_product(phi_q, phi_k, values_and_ones(), pairwise) * weight[:, None, None]
         return out
 
     def weights(self, kernel, coefficients, shift, dtype, pairs=None):

@@ -13,6 +13,7 @@ machines without it; registering the ops needs only torch), and on CPU tensors o
 (Triton's interpreter, which the tests use).
 """
 
+import functools
 import logging
 import math
 import os
@@ -24,6 +25,7 @@ from torch.autograd.function import once_differentiable
 
 from .nprf_banded_window import _free_library
 from .nprf_features import NORM_EPS
+from .nprf_triton_plan import block_size, build_plan, launch_plan
 
 
 logger = logging.getLogger(__name__)
@@ -33,7 +35,10 @@ logger = logging.getLogger(__name__)
 # 32 rows (4 warps) and 8 warps were within the noise of host-bound calls up to 8,192 tokens, 15-40% slower beyond.
 BLOCK = 64
 NUM_WARPS = 4
-_told = set()  # the fallback reasons already logged
+# One stage: with Triton's 3 (or 2) the band loops' next loads stayed live and backward spilled (kernel_resources).
+NUM_STAGES = 1
+# The block states' scan on the device, in two levels: a states program sums a split of ceil(blocks / SPLITS) blocks
+SPLITS = 16  # in order, and a reader adds up to SPLITS split totals (`nprf_triton_kernels._blocks`). Untimed.
 
 
 def triton_available():
@@ -60,26 +65,27 @@ def triton_cannot_run(query):
     return None
 
 
-_probed = {}  # (device, dtype) -> None where the kernels ran there, else why not (`kernels_fail_on`)
-
-
 @torch.compiler.assume_constant_result
 def kernels_fail_on(device, dtype):
     """None where the kernels build and run on `device` in `dtype`, else why not: a tiny forward and backward, once
     per process, run while torch.compile traces (a failure inside a compiled graph could not fall back, as an eager
     call does); a failure is said once and keeps the compiled calls on that device and dtype on PyTorch's path."""
-    if (device, dtype) not in _probed:
-        try:
-            with torch.enable_grad():
-                q, k, v = (torch.randn(1, 1, BLOCK + 1, 16, device=device, dtype=dtype, requires_grad=True)
-                           for _ in range(3))
-                bias, projection = torch.zeros(1, 2 * BLOCK + 1, device=device), torch.randn(16, 16, device=device)
-                triton_attention(q, k, v, bias, projection, None, None, 2, False).sum().backward()
-            _probed[device, dtype] = None
-        except Exception as error:  # noqa: BLE001
-            _probed[device, dtype] = f"the kernels failed here ({type(error).__name__}: {error})"
-            log_fallback_once(_probed[device, dtype])
-    return _probed[device, dtype]
+    return _probe(device, dtype)
+
+
+@functools.cache  # (once per process, device and dtype: the kernels build there or not)
+def _probe(device, dtype):
+    try:
+        with torch.enable_grad():
+            q, k, v = (torch.randn(1, 1, BLOCK + 1, 16, device=device, dtype=dtype, requires_grad=True)
+                       for _ in range(3))
+            bias, projection = torch.zeros(1, 2 * BLOCK + 1, device=device), torch.randn(16, 16, device=device)
+            triton_attention(q, k, v, bias, projection, None, None, 2, False).sum().backward()
+    except Exception as error:  # noqa: BLE001
+        reason = f"the kernels failed here ({type(error).__name__}: {error})"
+        log_fallback_once(reason)
+        return reason
+    return None
 
 
 def triton_unfused(query, projection, variant, terms):
@@ -101,9 +107,12 @@ def triton_unfused(query, projection, variant, terms):
 def log_fallback_once(reason):
     """One log line per reason and process: a call that asked for "triton" (or got it from "auto") and runs the
     PyTorch algorithms instead."""
-    if reason not in _told:
-        _told.add(reason)
-        logger.warning("nprf_attention: the Triton kernels do not run here (%s); using the PyTorch algorithms", reason)
+    return _log_once(reason)
+
+
+@functools.cache  # (each reason once per process)
+def _log_once(reason):
+    logger.warning("nprf_attention: the Triton kernels do not run here (%s); using the PyTorch algorithms", reason)
     return True
 
 
@@ -113,14 +122,13 @@ def triton_attention(query, key, value, rpe_bias, projection, key_padding_mask, 
     (unmasked; tied beyond `band_width`), projection [m, d] or [H, m, d], key_padding_mask [B, n] or None,
     logit_scale [H] or None. Returns [B, H, n, d_v] in value's dtype."""
     heads, n = query.shape[1], query.shape[2]
+    # (the kernels read b and take c_r = exp(b_r - max b) <= 1 themselves, and return b's gradient)
     bias = rpe_bias.float()
-    # c_r = exp(b_r - max b) <= 1; the ratios are shift-invariant, and the kernels read c, not b
-    c = torch.exp(bias - bias.detach().amax(dim=-1, keepdim=True))
-    root = _feature_root(logit_scale, heads, query.device)
+    root = _feature_root(logit_scale, heads, query.device, _plain_eager(query))
     reach = -(-(min(band_width, n) - 1) // block)
     # (the projection is a constant to the kernels: they do not compute its gradient)
     forward = _EagerAttention.apply if _plain_eager(query) else attention_forward
-    return forward(query, key, value, c, root, projection.detach(), key_padding_mask, causal, reach, block,
+    return forward(query, key, value, bias, root, projection.detach(), key_padding_mask, causal, reach, block,
                    num_warps)[0]
 
 
@@ -131,26 +139,23 @@ def _plain_eager(query):
             and torch._C._len_torch_dispatch_stack() == 0)
 
 
-def _feature_root(logit_scale, heads, device):
-    """sqrt(s) [H] fp32, the scale of the normalized q, k in the feature map (ones without a logit scale)."""
-    return torch.ones(heads, device=device) if logit_scale is None else logit_scale.float().sqrt()
+def _feature_root(logit_scale, heads, device, eager=False):
+    """sqrt(s) [H] fp32, the scale of the normalized q, k in the feature map (ones without a logit scale: kept for
+    `eager` calls, where a fill per call is a launch; traced calls build theirs, a constant of the graph)."""
+    if logit_scale is not None:
+        return logit_scale.float().sqrt()
+    return _ones(heads, device) if eager else torch.ones(heads, device=device)
 
 
-def _block_size(x):
-    """The power of two >= x and >= 16 that a kernel's block of x columns takes (tl.dot's smallest size)."""
-    return max(16, 1 << (int(x) - 1).bit_length())
+_ones = functools.lru_cache(maxsize=None)(lambda heads, device: torch.ones(heads, device=device))
 
 
 def _launch(query, value, projection, block, num_warps):
-    """What forward and backward launch with: (sizes s, the kernels' shared meta-parameters, their shared size
-    arguments, log(m) / 2, the grid (blocks, B * H))."""
-    batch, heads, n, d = query.shape
-    m, dv = projection.shape[-2], value.shape[-1]
-    s = dict(batch=batch, heads=heads, n=n, d=d, dv=dv, m=m, blocks=-(-n // block), BV=_block_size(dv),
-             BM=_block_size(m))
-    common = dict(W_PER_HEAD=int(projection.dim() == 3), EPS=NORM_EPS, HALF=_dot_precision(query), BT=block,
-                  BD=_block_size(d), BV=s["BV"], BM=s["BM"], num_warps=num_warps)
-    return s, common, (heads, n, d, dv, m, s["blocks"]), 0.5 * math.log(m), (s["blocks"], batch * heads)
+    """The call's `nprf_triton_plan.Plan`: (sizes s, the kernels' meta-parameters, their size arguments, log(m) / 2,
+    the grid (blocks, B * H)); s["grid"] is the states kernels'. Cached per shape (eager); traced, built."""
+    key = (tuple(query.shape), value.shape[-1], projection.shape[-2], projection.dim() == 3, _dot_precision(query),
+           NORM_EPS, block, num_warps, NUM_STAGES, SPLITS)
+    return (launch_plan if all(type(x) is int for x in key[0]) else build_plan)(*key)
 
 
 def _dot_precision(query):
@@ -186,7 +191,7 @@ DIAGONAL_SUMS = False
 
 def _block_states(query, s):
     """The buffer a states kernel fills, [B*H, NC, BM * (BV + 1)] fp32: per block its [BM, BV] states, then its [BM]
-    sums (one buffer: one cumsum, no zero row; the kernels read block j's exclusive prefix at j - 1)."""
+    sums, summed since the start of its split (`_launch`'s s["grid"]; the kernels' `_blocks` reads it)."""
     return query.new_empty(s["batch"] * s["heads"], s["blocks"], s["BM"] * (s["BV"] + 1), dtype=torch.float32)
 
 
@@ -208,30 +213,29 @@ _LIBRARY = _free_library(re.sub(r"\W", "_", __name__), "attention_forward")
 
 
 def _attention_forward(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c: torch.Tensor, root: torch.Tensor,
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor, root: torch.Tensor,
     projection: torch.Tensor, key_padding_mask: Optional[torch.Tensor], causal: bool, reach: int, block: int,
     num_warps: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """z [B, H, n, d_v] of q, k, v with Toeplitz coefficients c [H, 2n - 1] and feature scale root [H], and what
-    backward reads: its denominator [B, H, n] and the inclusive prefix sums over the blocks of the key states and
-    key-feature sums [B*H, NC, BM * (BV + 1)] (fp32, `_block_states`)."""
+    """z [B, H, n, d_v] of q, k, v with Toeplitz coefficients exp(bias) (bias [H, 2n - 1] fp32, tied beyond the
+    band) and feature scale root [H], and what backward reads: its denominator [B, H, n] and the key states and
+    key-feature sums summed within splits of blocks [B*H, NC, BM * (BV + 1)] (fp32, `_block_states`)."""
     # (`from .x import`, the form transformers follows to copy a remote-code file's siblings)
     from .nprf_triton_kernels import nprf_forward_kernel, nprf_key_states_kernel
 
     s, common, sizes, log_m_half, grid = _launch(query, value, projection, block, num_warps)
     # (the projection in its own dtype: the kernels convert it as they load it)
-    projection, c, root = projection.contiguous(), c.float().contiguous(), root.float().contiguous()
+    projection, bias, root = projection.contiguous(), bias.float().contiguous(), root.float().contiguous()
     mask, stride_mb, has_mask = _mask_arg(key_padding_mask, query)
     prefix = _block_states(query, s)
-    nprf_key_states_kernel[grid](
+    nprf_key_states_kernel[s["grid"]](
         key, value, projection, mask, root, prefix, *key.stride(), *value.stride(), stride_mb,
         *sizes, log_m_half, HAS_MASK=has_mask, **common,
     )
-    prefix.cumsum_(1)  # (in place: contiguous in and out, no copy)
     out = torch.empty(s["batch"], s["heads"], s["n"], s["dv"], device=query.device, dtype=value.dtype)
     denominator = torch.empty(s["batch"], s["heads"], s["n"], device=query.device, dtype=torch.float32)
     nprf_forward_kernel[grid](
-        query, key, value, projection, mask, root, c, prefix, out, denominator,
+        query, key, value, projection, mask, root, bias, prefix, out, denominator,
         *query.stride(), *key.stride(), *value.stride(), stride_mb, *sizes, reach, log_m_half,
         CAUSAL=causal, HAS_MASK=has_mask, **common,
     )
@@ -242,24 +246,24 @@ attention_forward = torch.library.custom_op(f"{_LIBRARY}::attention_forward", mu
 
 
 @attention_forward.register_fake
-def _(query, key, value, c, root, projection, key_padding_mask, causal, reach, block, num_warps):
+def _(query, key, value, bias, root, projection, key_padding_mask, causal, reach, block, num_warps):
     s = _launch(query, value, projection, block, num_warps)[0]
     return (query.new_empty(s["batch"], s["heads"], s["n"], s["dv"], dtype=value.dtype),
             query.new_empty(s["batch"], s["heads"], s["n"], dtype=torch.float32), _block_states(query, s))
 
 
 def _attention_backward(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c: torch.Tensor, root: torch.Tensor,
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor, root: torch.Tensor,
     projection: torch.Tensor, key_padding_mask: Optional[torch.Tensor], out: torch.Tensor, denominator: torch.Tensor,
     prefix: torch.Tensor, grad_out: torch.Tensor, causal: bool, reach: int, block: int,
     num_warps: int, needs_c: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv in their inputs' dtypes, dc [H, 2n - 1] (zeros unless `needs_c`), d root [H]) of
+    """(dq, dk, dv in their inputs' dtypes, d bias [H, 2n - 1] (not written unless `needs_c`), d root [H]) of
     `attention_forward` from what it returned and grad_out [B, H, n, d_v]."""
-    from .nprf_triton_kernels import HAS_GATHER, nprf_key_grad_kernel, nprf_query_grad_kernel, nprf_query_states_kernel
+    from .nprf_triton_backward import HAS_GATHER, nprf_key_grad_kernel, nprf_query_grad_kernel, nprf_query_states_kernel
 
     s, common, sizes, log_m_half, grid = _launch(query, value, projection, block, num_warps)
-    projection, c, root = projection.contiguous(), c.float().contiguous(), root.float().contiguous()
+    projection, bias, root = projection.contiguous(), bias.float().contiguous(), root.float().contiguous()
     # (the kernels index these as laid out by forward: contiguous, whatever a compiler passes)
     out, denominator, prefix = (t.contiguous() for t in (out, denominator, prefix))
     mask, stride_mb, has_mask = _mask_arg(key_padding_mask, query)
@@ -267,37 +271,37 @@ def _attention_backward(
     # delta_i), fp32: the query-states kernel computes them from grad_out (any strides) and stores them for the others
     g = torch.empty(s["batch"], s["heads"], s["n"], s["dv"], device=query.device, dtype=torch.float32)
     delta, query_prefix = g.new_empty(g.shape[:3]), _block_states(query, s)
-    nprf_query_states_kernel[grid](
-        query, grad_out, out, denominator, g, delta, projection, root, query_prefix, *query.stride(),
-        *grad_out.stride(), *sizes, log_m_half, **common,
+    # d root [H] and d bias [B, H, 2n - 1] (a row per sequence) take atomic sums, zeroed by the query-states kernel
+    droot = root.new_empty(root.shape)
+    dc = bias.new_empty(s["batch"], *bias.shape) if needs_c else droot  # (not read without NEED_DC)
+    nprf_query_states_kernel[s["grid"]](
+        query, grad_out, out, denominator, g, delta, projection, root, query_prefix, dc, droot, *query.stride(),
+        *grad_out.stride(), *sizes, log_m_half, NEED_DC=needs_c, **common,
     )
-    query_prefix.cumsum_(1)
-    # (the kernels store each element once, cast to its tensor's dtype: no conversion after them)
-    dq, dk, dv = (torch.empty(t.shape, device=query.device, dtype=t.dtype) for t in (query, key, value))
-    # d root [H] and dc [B, H, 2n - 1] (a row per sequence, summed below) take atomic sums: one zero fill for both
-    zeros = c.new_zeros(root.numel() + s["batch"] * c.numel())
-    droot, dc = zeros[:root.numel()], zeros[root.numel():].view(s["batch"], *c.shape)
+    dq, dk, dv = (torch.empty(t.shape, device=query.device, dtype=t.dtype) for t in (query, key, value))  # (as stored)
     strides = (*query.stride(), *key.stride(), *value.stride(), stride_mb)
     nprf_query_grad_kernel[grid](
-        query, key, value, projection, mask, root, c, prefix, g, delta, dq, dc, droot,
+        query, key, value, projection, mask, root, bias, prefix, g, delta, dq, dc, droot,
         *strides, *sizes, reach, log_m_half, CAUSAL=causal, HAS_MASK=has_mask, NEED_DC=needs_c,
         DIAGONALS=DIAGONAL_SUMS and HAS_GATHER, **common,
     )
     nprf_key_grad_kernel[grid](
-        query, key, value, projection, mask, root, c, query_prefix, g, delta, dk, dv, droot,
-        *strides, *sizes, reach, log_m_half, CAUSAL=causal, HAS_MASK=has_mask, **common,
+        query, key, value, projection, mask, root, bias, query_prefix, g, delta, dk, dv, droot, dc,
+        *strides, *sizes, reach, log_m_half, CAUSAL=causal, HAS_MASK=has_mask, NEED_DC=needs_c and s["batch"] > 1,
+        **common,
     )
-    return dq, dk, dv, dc.sum(0), droot
+    dbias = dc[0] if needs_c else bias.new_empty(bias.shape)  # (key_grad summed the batch's rows into the first)
+    return dq, dk, dv, dbias, droot
 
 
 attention_backward = torch.library.custom_op(f"{_LIBRARY}::attention_backward", mutates_args=())(_attention_backward)
 
 
 @attention_backward.register_fake
-def _(query, key, value, c, root, projection, key_padding_mask, out, denominator, prefix, grad_out, causal, reach,
+def _(query, key, value, bias, root, projection, key_padding_mask, out, denominator, prefix, grad_out, causal, reach,
       block, num_warps, needs_c):
     # (contiguous, as the kernels write them, whatever the inputs' strides: a model's q, k, v are transposed views)
-    return (*(t.new_empty(t.shape) for t in (query, key, value)), c.new_empty(c.shape, dtype=torch.float32),
+    return (*(t.new_empty(t.shape) for t in (query, key, value)), bias.new_empty(bias.shape, dtype=torch.float32),
             root.new_empty(root.shape, dtype=torch.float32))
 
 
@@ -310,8 +314,8 @@ def _keep_for_backward(ctx, inputs, output):
 
 
 def _attention_grad(ctx, grad_out, *_, backward=None):
-    """Gradients of q, k, v, c and root; none for the projection (a constant here) and the mask. `backward`: the
-    backward op (default) or, for `_EagerAttention`, its implementation."""
+    """Gradients of q, k, v, the bias and root; none for the projection (a constant here) and the mask. `backward`:
+    the backward op (default) or, for `_EagerAttention`, its implementation."""
     backward = attention_backward if backward is None else backward
     dq, dk, dv, dc, droot = backward(*ctx.saved_tensors, grad_out, *ctx.settings, ctx.needs_input_grad[3])
     return dq, dk, dv, dc, droot, None, None, None, None, None, None
@@ -346,7 +350,7 @@ def triton_decode_step(query, key, value, new_mask, state, c, projection, logit_
     query, key, value [B, H, 1, d]; new_mask None or bool [B, 1]; state (far_states [B, H, m, d + 1], ring_features
     [B, H, W - 1, m], ring_values [B, H, W - 1, d + 1]) in fp32; c [H, W + 1] exp(bias) by distance, entry W the far
     one. Returns (out [B, H, 1, d] in query's dtype, the new state; the old one is not modified)."""
-    root = _feature_root(logit_scale, query.shape[1], query.device)
+    root = _feature_root(logit_scale, query.shape[1], query.device, _plain_eager(query))
     step = _decode_step if _plain_eager(query) else decode_step
     out, *new_state = step(query, key, value, None if new_mask is None else new_mask[:, -1:], *state, c,
                            projection.detach(), root)
@@ -376,8 +380,8 @@ def _decode_step(
         query.stride(0), query.stride(1), query.stride(3), key.stride(0), key.stride(1), key.stride(3),
         value.stride(0), value.stride(1), value.stride(3),
         heads, d, dv, m, ring, 0.5 * math.log(m),
-        HAS_MASK=has_mask, W_PER_HEAD=int(projection.dim() == 3), EPS=NORM_EPS,
-        BD=_block_size(d), BE=_block_size(dv + 1), BM=_block_size(m), BR=_block_size(ring + 1),
+        HAS_MASK=has_mask, HAS_RING=ring > 0, W_PER_HEAD=int(projection.dim() == 3), EPS=NORM_EPS,
+        BD=block_size(d), BV=block_size(dv), BM=block_size(m), BR=16,  # (ring rows a loop step: all spilled)
     )
     return out, *new_state
 

@@ -26,6 +26,8 @@ ATTENTION_VARIANTS = {
     "softmax": "standard attention: softmax(q . k / sqrt(d) + b), dense",
 }
 QUADRATIC_VARIANTS = ("normalized_softmax", "softmax")  # computed from the n x n weights
+# the algorithms a quadratic variant takes: its n x n weights are dense
+WEIGHTS_ALGORITHMS = ("auto", "dense")
 # the exact kernel inside a band of pairs, NPRF's features beyond (`nprf_near_field`)
 NEAR_FIELD_VARIANTS = ("nprf_near",)
 # decoded with a key/value cache: the NPRF cache's running sums hold features only

@@ -103,6 +103,32 @@ def test_gradients_match_the_reference(causal, term, n, small_chunks):
     assert got[3].abs().sum() > 0 and got[1][2, 1:].abs().sum() == 0  # the table trains; padded keys get nothing
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n, width", [(5, 4), (61, 4), (61, 7)])  # 5: the dense fallback; 61: chunks of 3 and 6
+def test_near_field_lean_mode_matches_the_reference(causal, n, width, small_chunks):
+    """The exact near field in the lean mode (its unit vectors rebuilt in backward with the features, the window
+    product's backward reading them): values and gradients of q, k, v, the bucket table and a logit scale equal
+    the float64 reference's, with padding (a padded key's exact weight is not zero unless masked)."""
+    q, k, v, projection, table, mask = case(n, seed=4)
+    scale = torch.tensor([3.0, 12.0], dtype=torch.float64, requires_grad=True)
+    bias = Fn.relative_position_bias(table, n, not causal, BUCKETS, DISTANCE)
+    band = Fn.rpe_band_width(BUCKETS, DISTANCE, not causal)
+    kwargs = dict(logit_scale=scale, variant="nprf_near", near_field_width=width)
+    out = Fn.nprf_attention(*views(q, k, v), bias, projection, mask, "banded", causal, band_width=band, recompute=True,
+                            **kwargs)
+    assert kept_output_used(out)
+    ref = naive_attention(*views(q, k, v), bias, projection, mask, causal, **kwargs)
+    # (float64, well conditioned: the derived bounds of `tolerances` do not cover the near field's exact kernel)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-11)
+    weights = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    leaves = (q, k, v, table, scale)
+    got = torch.autograd.grad((out * weights).sum(), leaves, retain_graph=True)
+    want = torch.autograd.grad((ref * weights).sum(), leaves)
+    for name, a, b in zip(("q", "k", "v", "table", "logit_scale"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10, msg=name)
+    assert got[1][2, 1:].abs().sum() == 0 and got[2][2, 1:].abs().sum() == 0  # padded keys get nothing
+
+
 @pytest.mark.parametrize("variant", ["prf", "elu_linear"])
 def test_other_feature_maps_match_the_reference(variant, small_chunks):
     q, k, v, projection, table, mask = case(40, seed=2)

@@ -438,6 +438,8 @@ def test_gpu_benchmark_runs_every_part_through_the_interpreter(tmp_path):
         assert row["speedup_train"] == pytest.approx(row["sdpa_train_s"] / row["nprf_train_s"])
         assert row["nprf_train_tflops"] > 0
         assert all(row["bias_grad"][way]["train_s"] > 0 for way in ("atomics", "diagonals"))  # the A/B of the bias grad
+        # issue 55's roofline: counted at every length (the bound needs a known device's peaks: none on the CPU)
+        assert row["roofline"]["flops"] > 0 and row["roofline"]["bytes"] > 0 and row["roofline"]["bound_s"] is None
     assert [(r["batch"], r["n"]) for r in results["model"]] == [(2, 24), (1, 40)]
     assert all(r["nprf_over_sdpa_train"] > 0 for r in results["model"])
     assert {(r["batch"], r["context"]) for r in results["decode"]} == {(1, 16), (1, 40), (2, 16), (2, 40)}
@@ -446,7 +448,9 @@ def test_gpu_benchmark_runs_every_part_through_the_interpreter(tmp_path):
     for row in results["compiled"]:
         assert row["nprf_over_sdpa_train"] > 0 and row["nprf_over_sdpa_forward"] > 0
         assert row["nprf_train_graph_breaks"] == row["nprf_forward_graph_breaks"] == 0
+        assert "nprf_train_peak_bytes" in row and "sdpa_train_peak_bytes" in row  # (None on the CPU)
     assert (tmp_path / "gpu.png").stat().st_size > 0
+    assert all(results[f"{part}_kernels_disabled"] == [] for part in ("attention", "model", "decode", "compiled"))
     # without the interpreter on a CPU-only machine it refuses with one line, not a traceback
     env.pop("TRITON_INTERPRET")
     refused = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "gpu.py"), "--tiny"], env=env,
@@ -455,9 +459,51 @@ def test_gpu_benchmark_runs_every_part_through_the_interpreter(tmp_path):
 
 
 
+def test_gpu_benchmark_roofline_is_issue_55s_bound():
+    """gpu.py's roofline: one layer's useful FLOPs and bytes (B = 1, 12 heads, d = m = 64, T5's band), linear in the
+    length, the bound the binding one of the device's nominal peaks (on an H200, bytes), and the kernels' share of it
+    from the measured times."""
+    spec = importlib.util.spec_from_file_location("gpu_benchmark", os.path.join(BENCHMARKS, "gpu.py"))
+    gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu)
+    gpu.device_name = lambda device: "NVIDIA H200"
+    bounds = {n: gpu.roofline(n, gpu.FULL, torch.device("cuda")) for n in (4096, 16384)}
+    assert bounds[16384]["flops"] == 4 * bounds[4096]["flops"] and bounds[16384]["bytes"] == 4 * bounds[4096]["bytes"]
+    bound = bounds[4096]
+    assert 10e9 < bound["flops"] < 30e9 and 80e6 < bound["bytes"] < 200e6  # the issue's 23 GFLOP, 180 MB an upper one
+    assert bound["binds"] == "bytes" and bound["bound_s"] == pytest.approx(bound["bytes"] / 4.8e12)
+    fractions = gpu.roofline_fractions({"nprf_train_s": 4 * bound["bound_s"], "nprf_train_graphed_s": None}, bound)
+    assert fractions == {"roofline_fraction_eager": pytest.approx(0.25)}
+    gpu.device_name = lambda device: "cpu"
+    assert gpu.roofline(4096, gpu.FULL, torch.device("cpu"))["bound_s"] is None
+
+
+def test_gpu_benchmark_records_the_reasons_the_kernels_did_not_run():
+    """gpu.py's `<part>_kernels_disabled` comes from the fallback log line (said once per reason and process: no
+    module state in the math to read), reasons only, other log lines not."""
+    import logging
+
+    from nprf_hf import nprf_triton
+
+    spec = importlib.util.spec_from_file_location("gpu_benchmark", os.path.join(BENCHMARKS, "gpu.py"))
+    gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu)
+    reasons, logger = gpu.FallbackReasons(), logging.getLogger("nprf_hf.nprf_triton")
+    logger.addHandler(reasons)
+    try:
+        nprf_triton.log_fallback_once("the kernels failed here (RuntimeError: this test's own)")
+        nprf_triton.log_fallback_once("the kernels failed here (RuntimeError: this test's own)")
+        logger.warning("a line without arguments")
+    finally:
+        logger.removeHandler(reasons)
+    assert reasons.reasons == {"the kernels failed here (RuntimeError: this test's own)"}
+
+
 def test_kernel_host_ops_counts_the_operators_around_stubbed_kernels():
     """benchmarks/kernel_host_ops.py: the kernels stubbed, each call launches exactly its kernels (2 forward, 5
-    forward + backward, 1 decode step) and every PyTorch operator around them is counted and timed."""
+    forward + backward, 1 decode step) and every PyTorch operator around them is counted and timed: issue 55's
+    eager call with no ATen operator that writes memory (the block states scanned in the kernels: no cumsum; no exp
+    of the bias, fill or batch sum)."""
     import re
     import subprocess
     import sys
@@ -467,14 +513,21 @@ def test_kernel_host_ops_counts_the_operators_around_stubbed_kernels():
                            "--dtype", "bfloat16", "--mask", "--verbose", "--model"], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = dict(re.findall(r"^([a-z +]+): (\d+ launch-like operators, \d+ NPRF kernel launches.*)$", done.stdout, re.M))
+    rows = dict(re.findall(r"^([a-z +]+): (\d+ launches \(\d+ NPRF kernels \+ \d+ ATen .*)$", done.stdout, re.M))
     assert set(rows) == {"forward", "forward + backward", "decode step"}
-    counts = {label: [int(x) for x in re.findall(r"(\d+) ", row)[:2]] for label, row in rows.items()}
-    assert [counts[label][1] for label in ("forward", "forward + backward", "decode step")] == [2, 5, 1]
-    assert counts["forward + backward"][0] > counts["forward"][0] > 0  # backward's operators are counted too
+    counts = {label: [int(x) for x in re.findall(r"(\d+) ", row)[:3]] for label, row in rows.items()}
+    # [launches, kernels, ATen operators]
+    assert [counts[label] for label in ("forward", "forward + backward", "decode step")] == [
+        [2, 2, 0], [5, 5, 0], [1, 1, 0]]
+    assert "cumsum" not in done.stdout
     assert all(float(re.search(r"host (\d+) us", row).group(1)) > 0 for row in rows.values())
     model = re.search(r"^model training step .*: NPRF ([\d.]+) ms, SDPA ([\d.]+) ms$", done.stdout, re.M)
     assert model and float(model.group(1)) > 0 and float(model.group(2)) > 0
+    # a batch of sequences with the bias trained: its gradient's rows summed over the batch in a kernel too
+    done = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "kernel_host_ops.py"), "--repeats", "3",
+                           "--batch", "2"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert re.search(r"^forward \+ backward: 5 launches \(5 NPRF kernels \+ 0 ATen ", done.stdout, re.M), done.stdout
 
 # ---- --busy-cores (issue 45): every timing benchmark times its points quiet, then busy, in the same run ----------
 
@@ -709,3 +762,22 @@ def test_near_field_cost_times_both_variants_side_by_side(tmp_path, capsys):
         assert set(row["seconds"]) == {"nprf", "nprf_near"} and all(t > 0 for t in row["seconds"].values())
         assert row["ratio"] == row["seconds"]["nprf_near"] / row["seconds"]["nprf"]
     assert "near/nprf" in capsys.readouterr().out
+
+
+def test_near_field_cost_against_another_tree(tmp_path, capsys):
+    """--against: both checkouts timed in persistent worker processes, alternated (this repository against itself
+    here), and a folder that is not a checkout refused with a clear error."""
+    cost = load_script("near_field_cost")
+    output = str(tmp_path / "ab.json")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cost.main(["--points", "2x48", "--threads", "1", "--min-time", "0.01", "--rounds", "1", "--against", root,
+               "--output", output])
+    result = json.load(open(output))
+    assert result["against"] == root and [r["pass"] for r in result["rows"]] == ["fwd", "fwd+bwd"]
+    for row in result["rows"]:
+        assert set(row["seconds"]) == {f"{tree}/{v}" for tree in ("this", "against") for v in ("nprf", "nprf_near")}
+        assert row["ratio"] == row["seconds"]["this/nprf_near"] / row["seconds"]["this/nprf"] > 0
+    assert "against: nprf" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cost.main(["--against", str(tmp_path)])
+    assert "not a checkout of this repository" in capsys.readouterr().err

@@ -104,7 +104,7 @@ def test_auto_picks_banded_at_the_test_length(monkeypatch):
     head_dim = TINY["hidden_size"] // TINY["num_attention_heads"]
     features = TINY["num_random_features"]
     # in training (without autograd auto keeps dense longer: the inference tests' "auto" runs dense)
-    picked, _ = functional._resolve_algorithm("auto", bias, LENGTH, attention.band_width, features, head_dim + 1)
+    picked = functional._resolve_algorithm("auto", bias, LENGTH, attention.band_width, features, head_dim + 1)[0]
     assert picked == "banded"
     assert -(-LENGTH // nprf_banded.banded_chunking(attention.band_width)[1]) > 3  # more chunks than one window
 

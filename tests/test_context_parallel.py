@@ -268,7 +268,7 @@ def test_decoder_cache_refused_inside_context_parallel():
     (`test_models_on_shards_equal_one_process`)."""
     import nprf_hf
     from conftest import tiny_nprf_config
-    from nprf_hf.nprf_context_parallel import _GROUPS
+    from nprf_hf.attention_nprf import _GROUPS
 
     config = nprf_hf.NPRFRobertaConfig(**tiny_nprf_config(pad_token_id=1, is_decoder=True))
     model = nprf_hf.NPRFRobertaForCausalLM(config).eval()

@@ -27,13 +27,14 @@ def split_everything(monkeypatch, two_threads):
     monkeypatch.setattr(nprf_cpu_split, "SPLIT_MIN_ELEMENTS", 0)
     monkeypatch.setattr(nprf_cpu_split, "SPLIT_MIN_LENGTH", 0)
     counts = []
-    run = nprf_cpu_split.parallel_items
+    run = nprf_cpu_threads.CpuThreads.items
 
-    def counted(count, task, device, static=False):
-        counts.append(count)
-        return run(count, task, device, static)
+    def counted(self, count, task, static=False):
+        if task.__module__ == nprf_cpu_split.__name__:  # the split's items (not the products' sequences inside them)
+            counts.append(count)
+        return run(self, count, task, static)
 
-    monkeypatch.setattr(nprf_cpu_split, "parallel_items", counted)
+    monkeypatch.setattr(nprf_cpu_threads.CpuThreads, "items", counted)
     return counts
 
 

@@ -11,7 +11,8 @@ import torch
 from test_banded_backward import BUCKETS, DISTANCE, case, small_chunks, views  # noqa: F401  (a fixture)
 
 from nprf_hf import functional as Fn
-from nprf_hf import nprf_cpu_threads
+from nprf_hf import nprf_cpu_threads, nprf_dispatch
+from nprf_hf.nprf_schedule import SERIAL
 from nprf_hf.nprf_naive import naive_attention
 
 from tolerances import (assert_within, attention_rounding, normalized_product_bound, normalized_product_gradient_bounds,
@@ -166,12 +167,14 @@ def test_dense_in_cache_over_threads_matches_autograd(two_threads, normalized):
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
-@pytest.mark.parametrize("limit", [1 << 18, 0])
+@pytest.mark.parametrize("limit", [1 << 18, 0, None])
 def test_a_small_decode_step_runs_on_one_thread(two_threads, monkeypatch, limit):
-    """The recurrent step of one token touches [B, H, m, e] states: its operators run on one thread (each split
-    would be a parallel region), unless the states are larger than the limit; the caller's count is back after."""
+    """The recurrent step of one token touches [B, H, m, e] states: on the CPU's scheduler (the cache's) its operators
+    run on one thread (each split would be a parallel region), unless the states are larger than the limit; on the
+    math's default (None: `SERIAL`) on torch's; the caller's count is back after."""
     from nprf_hf import nprf_recurrent
-    monkeypatch.setattr(nprf_cpu_threads, "SINGLE_THREAD_MAX_ELEMENTS", limit)
+    monkeypatch.setattr(nprf_cpu_threads, "SINGLE_THREAD_MAX_ELEMENTS", limit or 0)
+    threads = SERIAL if limit is None else nprf_cpu_threads.CpuThreads("cpu")
     seen = []
     real = nprf_recurrent.recurrent_attention
 
@@ -189,7 +192,7 @@ def test_a_small_decode_step_runs_on_one_thread(two_threads, monkeypatch, limit)
     table = torch.randn(heads, BUCKETS, generator=generator)
     from nprf_hf.nprf_terms import AttentionTerms
     out, _ = nprf_recurrent.recurrent_step(query, key, value, None, state, table, projection, band, BUCKETS, DISTANCE,
-                                           "auto", "nprf", AttentionTerms())
+                                           "auto", "nprf", AttentionTerms(), threads=threads)
     assert seen == [1 if limit else 2] and torch.get_num_threads() == 2 and torch.isfinite(out).all()
 
 
@@ -274,3 +277,112 @@ def test_decode_steps_run_as_their_cache_chooses_and_give_the_same_tokens(two_th
         for token in prompt[:, :3].T:
             model(inputs_embeds=model.get_input_embeddings()(token[:, None]), past_key_values=cache)
     assert seen == [2, 1, 1] and torch.get_num_threads() == 2
+
+
+# ---- threads at the edge (issue 56): the math runs on the scheduler it is given, and one setting turns them off ----
+
+class _SpyThreads:
+    """An `nprf_schedule` scheduler that records what the math asks of it and runs it serially."""
+
+    def __init__(self):
+        self.calls = []
+
+    def items(self, count, task, static=False):
+        self.calls.append(("items", count))
+        SERIAL.items(count, task, static)
+
+    def slots(self, count):
+        return 1
+
+    def small(self, elements=None):
+        self.calls.append(("small", elements))
+        return SERIAL.small()
+
+    def release(self):
+        self.calls.append(("release",))
+
+
+def test_the_math_runs_its_loops_on_the_scheduler_it_is_given(small_chunks):
+    """The banded product, forward and backward, and the dense in-cache rows ask the scheduler they are given for
+    their sequences and small blocks (nothing else decides where they run), and give what the serial default gives."""
+    from nprf_hf.nprf_banded import banded_toeplitz_attention, banded_toeplitz_backward
+    from nprf_hf.nprf_dense import dense_toeplitz_inference
+
+    g = torch.Generator().manual_seed(5)
+    batch, heads, n, m, d = 2, 3, 90, 4, 5
+    phi_q, phi_k = (torch.rand(batch, heads, n, m, dtype=torch.float64, generator=g) for _ in range(2))
+    value = torch.randn(batch, heads, n, d, dtype=torch.float64, generator=g)
+    c = torch.rand(heads, 2 * n - 1, dtype=torch.float64, generator=g)
+    spy = _SpyThreads()
+    out = banded_toeplitz_attention(phi_q, phi_k, value, c, 9, False, threads=spy)
+    torch.testing.assert_close(out, banded_toeplitz_attention(phi_q, phi_k, value, c, 9, False), rtol=0, atol=0)
+    assert ("items", batch * heads) in spy.calls and any(call[0] == "small" for call in spy.calls)
+    spy.calls.clear()
+    grad = torch.randn(batch, heads, n, d + 1, dtype=torch.float64, generator=g)
+    banded_toeplitz_backward(phi_q, phi_k, value, c, 9, False, grad, threads=spy)
+    assert spy.calls[0] == ("items", batch * heads)  # (then each sequence's own blocks)
+    spy.calls.clear()
+    dense_toeplitz_inference(phi_q, phi_k, value, c, [n, n - 4], threads=spy)
+    assert spy.calls == [("items", batch)]
+
+
+@pytest.mark.parametrize("algorithm, recompute", [("banded", False), ("banded", True), ("dense", None)])
+def test_routing_without_cpu_threads_runs_serially_and_the_same(two_threads, monkeypatch, algorithm, recompute):
+    """`Routing(cpu_threads=False)` is the one switch: no item of the call (split into items, its products'
+    sequences, its small blocks) touches the CPU threads, forward or backward; output and gradients are those of the
+    threaded call (split here into items as well)."""
+    from nprf_hf import nprf_cpu_split
+
+    monkeypatch.setattr(nprf_cpu_split, "SPLIT_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(nprf_cpu_split, "SPLIT_MIN_LENGTH", 0)
+    g = torch.Generator().manual_seed(6)
+    batch, heads, n, d, m = 2, 3, 70, 6, 5
+    q, k, v = (torch.randn(batch, heads, n, d, dtype=torch.float64, generator=g).requires_grad_() for _ in range(3))
+    table = torch.randn(heads, BUCKETS, dtype=torch.float64, generator=g).requires_grad_()
+    projection = Fn.draw_projection(m, d, "orf", num_heads=heads, generator=g).double()
+    mask = torch.ones(batch, n, dtype=torch.bool)
+    mask[1, -5:] = False
+
+    def attention(routing):
+        bias = Fn.relative_position_bias(table, n, True, BUCKETS, DISTANCE)
+        out = Fn.nprf_attention(q, k, v, bias, projection, mask, algorithm=algorithm, causal=True, recompute=recompute,
+                                band_width=Fn.rpe_band_width(BUCKETS, DISTANCE), routing=routing)
+        return [out, *torch.autograd.grad(out.square().sum(), (q, k, v, table))]
+
+    threaded = attention(None)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the CPU threads were used with Routing(cpu_threads=False)")
+
+    for name in ("parallel_items", "parallel_slots", "single_threaded", "single_threaded_below",
+                 "release_freed_memory"):
+        monkeypatch.setattr(nprf_cpu_threads, name, refuse)
+    serial = attention(nprf_dispatch.Routing(cpu_threads=False))
+    for got, expected in zip(serial, threaded):
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_decode_steps_without_cpu_threads_are_not_timed_and_give_the_same_tokens(two_threads):
+    """Layers routed with `cpu_threads=False`: generate()'s decode steps run on torch's threads as they are (their
+    cache's `ThreadChoice` neither times nor switches them), with the tokens and scores of the threaded steps."""
+    from nprf_hf import NPRFCache
+    from test_generation import decoder
+
+    model = decoder(torch.float32, seed=3)
+    seen = []
+    model.roberta.encoder.layer[0].register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
+    prompt = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4))
+    runs = []
+    for routing in (None, nprf_dispatch.Routing(cpu_threads=False)):
+        for module in model.modules():
+            if hasattr(module, "routing"):
+                module.routing = routing
+        cache = NPRFCache(model.config)
+        cache.thread_choice = nprf_cpu_threads.ThreadChoice(_StepClock(multi=2.0, single=1.0))
+        seen.clear()
+        runs.append(model.generate(prompt, past_key_values=cache, max_new_tokens=5, min_new_tokens=5, do_sample=False,
+                                   output_scores=True, return_dict_in_generate=True))
+        assert seen == ([2, 2, 1, 1, 1] if routing is None else [2] * 5) and torch.get_num_threads() == 2
+        assert cache.thread_choice.steps == (4 if routing is None else 0)
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    torch.testing.assert_close(torch.stack(runs[0].scores), torch.stack(runs[1].scores))

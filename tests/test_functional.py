@@ -861,19 +861,20 @@ def test_recompute_gives_the_same_values_and_gradients_and_keeps_no_features(alg
 
 
 @pytest.mark.parametrize("threshold", ["below", "above"])
-def test_recompute_auto_is_for_the_long_input_algorithms(threshold, monkeypatch):
+def test_recompute_auto_is_for_the_long_input_algorithms(threshold):
     """recompute=None (the default): the banded and fft products recompute in backward once the features take
     RECOMPUTE_MIN_BYTES, dense keeps its features (it rebuilds only its n x n weights); smaller inputs keep
     everything."""
     batch, heads, n, d, m = 1, 2, 700, 8, 32
     feature_bytes = batch * heads * n * m * 8
-    monkeypatch.setattr(nprf_dispatch, "RECOMPUTE_MIN_BYTES", feature_bytes if threshold == "below" else feature_bytes + 1)
+    routing = nprf_dispatch.Routing(recompute_min_bytes=feature_bytes if threshold == "below" else feature_bytes + 1)
     q, k, v, projection = random_inputs(batch, heads, n, d, m)
     q.requires_grad_(True)
     bias = t5_bias(heads, n)
     for algorithm in ("banded", "fft", "dense"):
         _, held = _held_bytes(
-            lambda: Fn.nprf_attention(q, k, v, bias, projection, algorithm=algorithm, band_width=Fn.rpe_band_width()),
+            lambda: Fn.nprf_attention(q, k, v, bias, projection, algorithm=algorithm, band_width=Fn.rpe_band_width(),
+                                      routing=routing),
             q, k, v, bias, projection,
         )
         recomputes = threshold == "below" and algorithm != "dense"
@@ -903,7 +904,7 @@ def test_every_product_row_takes_one_call_and_computes_the_same(causal, small_ch
     ref = nprf_dense.dense_toeplitz_attention(phi_q, phi_k, u, c)
     for algorithm in ("dense", "fft", "banded"):
         assert ("torch", algorithm, "autograd") in nprf_dispatch.PRODUCTS
-    rows = [(key, row) for key, row in nprf_dispatch.PRODUCTS.items() if not row.whole]
+    rows = [(key, row) for key, row in nprf_dispatch.PRODUCTS.items() if not row.whole and row.run is not None]
     assert {key[1] for key, _ in rows} == {"dense", "fft", "banded"}
     for key, row in rows:
         with torch.no_grad():
@@ -966,8 +967,8 @@ def test_a_second_copy_of_the_banded_module_registers_its_own_ops():
                                nprf_banded_window.band_window_product(q, k_rows, u_rows, coefficients), rtol=0, atol=0)
 
 
-def test_auto_reads_its_crossovers_from_the_backend_table(monkeypatch):
-    """`auto`'s switch points are CROSSOVERS' row, nothing else: the same shape flips algorithm with the row."""
+def test_auto_reads_its_crossovers_from_the_backend_table():
+    """`auto`'s switch points are the `Routing`'s crossovers, nothing else: the same shape flips algorithm with them."""
     from nprf_hf import nprf_dispatch
     from nprf_hf.nprf_banded import banded_window
 
@@ -975,13 +976,103 @@ def test_auto_reads_its_crossovers_from_the_backend_table(monkeypatch):
     window = banded_window(band, m, e)
     n = int(1.2 * window)
     bias = Fn.relative_position_bias(torch.zeros(2, 32), n)
-    row = nprf_dispatch.CROSSOVERS["torch"]
+    row = nprf_dispatch.ROUTING.crossovers
     assert row.measured_on
     with torch.no_grad():
         assert Fn._resolve_algorithm("auto", bias, n, band, m, e, inference=True)[0] == "dense"  # 1.2 <= 1.6 windows
-        monkeypatch.setitem(nprf_dispatch.CROSSOVERS, "torch", row._replace(dense_factor_inference=1.0))
-        assert Fn._resolve_algorithm("auto", bias, n, band, m, e, inference=True)[0] == "banded"
+        routing = nprf_dispatch.Routing(crossovers=row._replace(dense_factor_inference=1.0))
+        assert Fn._resolve_algorithm("auto", bias, n, band, m, e, inference=True, routing=routing)[0] == "banded"
     no_band = torch.randn(2, 2 * 64 - 1)
     assert Fn._resolve_algorithm("auto", no_band, 64, None, m, e)[0] == "dense"
-    monkeypatch.setitem(nprf_dispatch.CROSSOVERS, "torch", row._replace(fft_min_length=64))
-    assert Fn._resolve_algorithm("auto", no_band, 64, None, m, e)[0] == "fft"
+    routing = nprf_dispatch.Routing(crossovers=row._replace(fft_min_length=64))
+    assert Fn._resolve_algorithm("auto", no_band, 64, None, m, e, routing=routing)[0] == "fft"
+    # what nprf_attention runs follows the routing it is given
+    q, k, v = (torch.randn(1, 2, 64, 8) for _ in range(3))
+    out = Fn.nprf_attention(q, k, v, no_band, torch.randn(8, 8), routing=routing)
+    assert torch.isfinite(out).all()
+
+
+# ---- the router: one decision with its reason (issue 56) -----------------------------------------------------------
+
+
+def _route(n, algorithm="auto", variant="nprf", grad=False, **call):
+    """The route `nprf_attention` takes for a [1, 2, n, 8] call with T5's bias, and its output."""
+    q, k, v, projection = random_inputs(1, 2, n, 8, 16, dtype=torch.float32)
+    q.requires_grad_(grad)
+    bias = t5_bias(2, n).float()
+    routes = []
+    choose = nprf_dispatch.choose_route
+    attention_call = nprf_dispatch.AttentionCall(q, k, v, bias, bias, projection, None, Fn.AttentionTerms(), False,
+                                                 variant, Fn.rpe_band_width(), None, **call)
+    with torch.set_grad_enabled(grad):
+        routes.append(choose(attention_call, algorithm))
+    return routes[0]
+
+
+def test_the_route_says_what_runs_and_why():
+    """`choose_route` returns the algorithm, mode and the reason: auto's crossover by length, an explicit algorithm
+    as requested, the quadratic variants from their n x n weights, training on long inputs recomputed."""
+    short, medium, long = _route(64), _route(400), _route(2048)
+    assert (short.backend, short.algorithm, short.mode) == ("torch", "dense", "autograd")
+    assert short.reason == "auto: the band spans the input, n < 8192 (no fused kernels on cpu)"
+    assert medium.algorithm == "dense" and medium.reason.startswith("auto: n within 1.6 banded windows")
+    assert (long.algorithm, long.mode) == ("banded", "autograd") and long.reason.startswith("auto: n beyond")
+    assert _route(64, "fft").reason == "as requested" and _route(64, "fft").algorithm == "fft"
+    softmax = _route(64, variant="softmax")
+    assert (softmax.algorithm, softmax.mode) == ("dense", "weights") and "n x n weights" in softmax.reason
+    lean = _route(2048, grad=True, routing=nprf_dispatch.Routing(recompute_min_bytes=1))
+    assert lean.mode == "recompute" and "recomputed in backward" in lean.reason
+    assert str(long) == f"torch banded (autograd): {long.reason}"
+
+
+def test_the_quadratic_variants_run_through_the_router(caplog):
+    """The exact kernels (softmax, normalized_softmax) go through `choose_route` as every call does: their route is
+    logged at DEBUG, and the output is the returned weights times the values."""
+    import logging
+
+    q, k, v, projection = random_inputs(2, 2, 24, 8, 16)
+    bias = t5_bias(2, 24)
+    with caplog.at_level(logging.DEBUG, logger="nprf_hf.nprf_dispatch"):
+        out = Fn.nprf_attention(q, k, v, bias, projection, variant="softmax")
+    assert [r.getMessage() for r in caplog.records] == [
+        "torch dense (weights): variant softmax: an exact kernel, from the n x n weights"]
+    weights = Fn.nprf_attention_weights(q, k, bias, projection, variant="softmax")
+    torch.testing.assert_close(out, weights @ v)
+
+
+def test_the_decode_step_and_the_layer_ask_the_router():
+    """A decode step's route (one token without autograd: the kernels where they run, else PyTorch's step) and a
+    layer's path (first that applies: cache, shards, general mask, output_attentions, nprf_attention), with the
+    bad combinations refused there."""
+    choose, layer = nprf_dispatch.choose_route, nprf_dispatch.LayerCall
+    q = torch.randn(1, 2, 1, 8)
+    state = (torch.rand(1, 2, 16, 9), torch.rand(1, 2, 4, 16), torch.rand(1, 2, 4, 9))
+    step = nprf_dispatch.StepCall(q, q, q, None, state, torch.rand(2, 6), torch.randn(16, 8), Fn.AttentionTerms(),
+                                  "nprf")
+    route = choose(step, "auto")
+    assert (route.backend, route.mode) == ("torch", "step") and route.reason == "PyTorch's step: no fused kernels on cpu"
+    block = choose(step._replace(query=torch.randn(1, 2, 3, 8)), "auto")
+    assert block.reason.startswith("a block of tokens")
+    paths = {
+        (True, False, False, True, False, False): "cache",
+        (False, True, False, False, False, False): "sharded",
+        (False, False, True, True, True, False): "masked",
+        (False, False, False, True, False, True): "weights",
+        (False, False, False, False, True, True): "attention",
+    }
+    for flags, path in paths.items():
+        route = choose(layer(*flags), "auto")
+        assert route.mode == path and route.reason == nprf_dispatch.LAYER_PATHS[path]
+    with pytest.raises(ValueError, match="use_cache=False"):
+        choose(layer(True, True, False, False, False, False), "auto")
+    with pytest.raises(ValueError, match="padding masks only"):
+        choose(layer(False, True, False, True, False, False), "auto")
+
+
+def test_the_router_options_are_constants():
+    """The router's options and tables cannot be edited in place: a caller passes its own `Routing`."""
+    with pytest.raises(TypeError):
+        nprf_dispatch.PRODUCTS["torch", "dense", "autograd"] = None
+    with pytest.raises(AttributeError):
+        nprf_dispatch.ROUTING.kernel_devices = ("cpu",)
+    assert nprf_dispatch.Routing().crossovers == nprf_dispatch.ROUTING.crossovers

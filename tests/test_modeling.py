@@ -761,3 +761,30 @@ def test_every_config_field_has_its_reason_in_the_config_docstring():
 
     documented = set(re.findall(r"^- `(\w+)`", configuration_nprf.__doc__, re.M))
     assert documented == {field.name for field in NPRF_FIELDS}
+
+
+def test_explain_prints_what_each_layer_ran_and_why(capsys):
+    """`nprf_hf.explain(model, inputs)`: per NPRF layer its path and the attention's route with the reason, printed
+    and returned; output_attentions takes the weights path; a model without NPRF layers is refused; the router's
+    logger is left as it was."""
+    import logging
+
+    from transformers import BertConfig, BertModel
+
+    model = NPRFBertModel(NPRFBertConfig(**TINY)).eval()
+    ids = torch.randint(3, 99, (2, 10))
+    logger = logging.getLogger("nprf_hf.nprf_dispatch")
+    level, propagate = logger.level, logger.propagate
+    with torch.no_grad():
+        lines = nprf_hf.explain(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    layers = [f"encoder.layer.{i}.attention.self" for i in range(TINY["num_hidden_layers"])]
+    assert [line.split(":")[0] for line in lines] == [name for name in layers for _ in range(2)]
+    assert lines[0].endswith("attention path (nprf_attention)")
+    assert "torch dense (autograd): auto: " in lines[1]
+    assert capsys.readouterr().out.splitlines() == lines
+    weights = nprf_hf.explain(model, {"input_ids": ids, "output_attentions": True}, show=False)
+    assert all("weights path (output_attentions" in line for line in weights) and len(weights) == len(layers)
+    assert (logger.level, logger.propagate) == (level, propagate) and not logger.handlers
+    with pytest.raises(ValueError, match="no NPRF self-attention"):
+        nprf_hf.explain(BertModel(BertConfig(vocab_size=99, hidden_size=16, num_hidden_layers=1,
+                                             num_attention_heads=2, intermediate_size=16)), ids)

@@ -14,11 +14,12 @@ import torch
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("these tests run the kernels through Triton's interpreter: TRITON_INTERPRET=1", allow_module_level=True)
 pytest.importorskip("triton")
-from nprf_hf import nprf_triton_decode, nprf_triton_kernels  # noqa: E402
+from nprf_hf import nprf_triton_backward, nprf_triton_decode, nprf_triton_kernels  # noqa: E402
 
 if type(nprf_triton_kernels.nprf_forward_kernel).__name__ != "InterpretedFunction":  # imported before, compiled
     importlib.reload(nprf_triton_kernels)
     importlib.reload(nprf_triton_decode)
+    importlib.reload(nprf_triton_backward)
 
 from conftest import tiny_nprf_config  # noqa: E402
 
@@ -61,12 +62,10 @@ CASES = [  # (n, d, m, width, block, per_head): lengths off the block, a band na
 ]
 
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("case", CASES)
-def test_values_and_gradients_match_the_float64_reference(case, causal):
-    n, d, m, width, block, per_head = case
-    generator = torch.Generator().manual_seed(n * 7 + d + int(causal))
-    q, k, v, table, projection, mask = inputs(2, 2, n, d, m, width, generator, per_head)
+def assert_matches_reference(q, k, v, table, projection, mask, width, causal, block, generator):
+    """The kernels' output and the gradients of q, k, v, the bucket table and a drawn logit scale against the float64
+    reference; returns the kernels' gradients."""
+    n = q.shape[2]
     scale = (torch.rand(2, generator=generator) * 2 + 0.5).requires_grad_(True)
     out = nprf_triton.triton_attention(q, k, v, tied_table_bias(table, n, width), projection, mask, scale,
                                        width + 1, causal, block=block)
@@ -77,9 +76,69 @@ def test_values_and_gradients_match_the_float64_reference(case, causal):
     want = torch.autograd.grad(ref, (q, k, v, table, scale), grad_out.double())
     for name, a, b in zip(("q", "k", "v", "table", "logit_scale"), got, want):
         assert relative_error(a, b) < 1e-4, name
+    return got
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", CASES)
+def test_values_and_gradients_match_the_float64_reference(case, causal):
+    n, d, m, width, block, per_head = case
+    generator = torch.Generator().manual_seed(n * 7 + d + int(causal))
+    q, k, v, table, projection, mask = inputs(2, 2, n, d, m, width, generator, per_head)
+    got = assert_matches_reference(q, k, v, table, projection, mask, width, causal, block, generator)
     if mask is not None:  # padded keys get no gradient at all
         assert got[1][~mask[:, None, :, None].expand_as(got[1])].abs().max() == 0
         assert got[2][~mask[:, None, :, None].expand_as(got[2])].abs().max() == 0
+
+
+@pytest.mark.parametrize("splits", [3, 1])
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_block_states_scan_in_two_levels_matches_the_reference(causal, splits, monkeypatch):
+    """The states kernels' scan of the block states, in splits of several blocks (the last one short) whose totals
+    `_blocks` adds: 7 blocks of 16 in 3 splits (3, 3, 1) or in one of 7; far blocks each side of a band of 2."""
+    monkeypatch.setattr(nprf_triton, "SPLITS", splits)
+    n, width = 100, 20
+    generator = torch.Generator().manual_seed(5 + int(causal))
+    q, k, v, table, projection, mask = inputs(2, 2, n, 16, 16, width, generator)
+    assert_matches_reference(q, k, v, table, projection, mask, width, causal, 16, generator)
+
+
+def test_launch_plans_are_built_once_per_shape(monkeypatch):
+    """An eager forward + backward builds its launch arguments once per shape (`nprf_triton_plan.launch_plan`) and
+    reuses them, forward and backward, call after call; another shape or another scan split gets a plan of its own."""
+    from nprf_hf import nprf_triton_plan
+
+    nprf_triton_plan.launch_plan.cache_clear()
+    generator = torch.Generator().manual_seed(3)
+    for n in (20, 20, 33):
+        q, k, v, table, projection, mask = inputs(1, 2, n, 16, 16, 4, generator)
+        out = nprf_triton.triton_attention(q, k, v, tied_table_bias(table, n, 4), projection, mask, None, 5, False,
+                                           block=16)
+        torch.autograd.grad(out.sum(), (q, k, v))
+    info = nprf_triton_plan.launch_plan.cache_info()
+    assert (info.misses, info.hits) == (2, 4)
+    monkeypatch.setattr(nprf_triton, "SPLITS", 1)
+    plan = nprf_triton._launch(q, v, projection, 16, 4)
+    assert nprf_triton_plan.launch_plan.cache_info().misses == 3 and plan.sizes["grid"] == (1, 2)
+    assert plan.args == (2, 33, 16, 16, 16, 3, 3) and plan.grid == (3, 2)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_bias_far_from_zero_is_shifted_in_the_kernels(causal):
+    """The kernels take exp(b_r - max b) from the bias itself (no exp on the host): a bias 300 above zero (exp
+    overflows fp32) or below (underflows) gives the values and gradients of the bias as it is."""
+    n, d, m, width, block = 45, 16, 16, 6, 16
+    generator = torch.Generator().manual_seed(5 + int(causal))
+    q, k, v, table, projection, mask = inputs(2, 2, n, d, m, width, generator)
+    grad_out = torch.randn(2, 2, n, d, generator=generator)
+    results = []
+    for offset in (0.0, 300.0, -300.0):
+        out = nprf_triton.triton_attention(q, k, v, tied_table_bias(table, n, width) + offset, projection, mask, None,
+                                           width + 1, causal, block=block)
+        results.append((out, *torch.autograd.grad(out, (q, k, table), grad_out)))
+    for shifted in results[1:]:
+        for a, b in zip(shifted, results[0]):
+            assert relative_error(a, b) < 1e-5
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -88,7 +147,7 @@ def test_the_bias_gradient_by_diagonals_equals_the_reference(case, causal, monke
     """DIAGONAL_SUMS (each band tile's bias gradient summed per diagonal, one atomic add per diagonal): the bias
     table's gradient equals the float64 reference and the per-pair atomics', at lengths off the block, a band wider
     than the sequence, and with padding; nothing is written outside a sequence's row (the batch's rows differ)."""
-    if not nprf_triton_kernels.HAS_GATHER:
+    if not nprf_triton_backward.HAS_GATHER:
         pytest.skip("this Triton has no tl.gather")
     n, d, m, width, block, per_head = case
     generator = torch.Generator().manual_seed(11 * n + int(causal))
@@ -212,7 +271,7 @@ def segment_case(seed, n=24, width=5):
 def test_unfused_terms_fall_back_with_one_log_line(caplog):
     """A segment bias is not fused: algorithm="triton" gives the PyTorch result and says so once."""
     q, k, v, bias, projection, mask, segments, beta, _ = segment_case(11)
-    nprf_triton._told.clear()
+    nprf_triton._log_once.cache_clear()
     with caplog.at_level(logging.WARNING, logger="nprf_hf.nprf_triton"):
         for _ in range(2):
             out = Fn.nprf_attention(q, k, v, bias, projection, mask, algorithm="triton", segment_ids=segments,
@@ -277,7 +336,8 @@ def test_remote_code_imports_only_torch_transformers_and_the_standard_library():
 
     folder = os.path.dirname(nprf_triton.__file__)
     files = remote_code_files()
-    assert {"nprf_triton.py", "nprf_triton_kernels.py", "nprf_triton_decode.py"} <= set(files)  # and the kernels
+    kernels = {"nprf_triton_kernels.py", "nprf_triton_backward.py", "nprf_triton_decode.py"}
+    assert {"nprf_triton.py", *kernels} <= set(files)
     for name in files:
         found = set(get_imports(os.path.join(folder, name)))
         # huggingface_hub (hub.py: a source's check) is transformers' own dependency: present wherever it is
@@ -290,8 +350,8 @@ def test_auto_falls_back_once_when_the_kernels_fail_on_the_device(monkeypatch, c
     an explicit "triton" raises the error instead."""
     from nprf_hf import nprf_dispatch
 
-    monkeypatch.setattr(nprf_dispatch, "KERNEL_OF_DEVICE", {"cpu": "triton"})  # the CPU plays the CUDA device
-    monkeypatch.setattr(nprf_triton, "_told", set())
+    routing = nprf_dispatch.Routing(kernel_devices=("cpu",))  # the CPU plays the CUDA device
+    nprf_triton._log_once.cache_clear()
     attempts = []
 
     def broken(*args):
@@ -306,7 +366,7 @@ def test_auto_falls_back_once_when_the_kernels_fail_on_the_device(monkeypatch, c
     with pytest.raises(RuntimeError, match="PTX"):
         Fn.nprf_attention(q, k, v, bias, projection, mask, algorithm="triton")
     with caplog.at_level(logging.WARNING, logger="nprf_hf.nprf_triton"):
-        outs = [Fn.nprf_attention(q, k, v, bias, projection, mask) for _ in range(2)]
+        outs = [Fn.nprf_attention(q, k, v, bias, projection, mask, routing=routing) for _ in range(2)]
     assert len(attempts) == 3  # the explicit call, then each of auto's
     said = [r.getMessage() for r in caplog.records if "PTX assembly failed" in r.getMessage()]
     assert len(said) == 1
@@ -314,15 +374,16 @@ def test_auto_falls_back_once_when_the_kernels_fail_on_the_device(monkeypatch, c
     assert all(relative_error(out, ref) < 1e-5 for out in outs)
 
 
-@pytest.mark.parametrize("padded", [False, True])
-def test_the_decode_kernel_equals_the_recurrent_step(padded):
+@pytest.mark.parametrize("padded, ring", [(False, 9), (True, 9), (False, 37), (True, 0)])
+def test_the_decode_kernel_equals_the_recurrent_step(padded, ring):
     """One token against a random state (logit scale, per-head projection, a padded new token): the kernel's output
-    and new state equal `recurrent_attention`'s, and the old state is left as it was."""
+    and new state equal `recurrent_attention`'s, and the old state is left as it was; a ring read in several chunks
+    (16 rows a loop step) and none (a band of 1)."""
     from nprf_hf import nprf_recurrent
     from nprf_hf.nprf_features import normalized_features, normalize_attention
 
     generator = torch.Generator().manual_seed(21 + padded)
-    batch, heads, d, m, ring = 3, 2, 16, 20, 9
+    batch, heads, d, m = 3, 2, 16, 20
     q, k, v = (torch.randn(batch, heads, 1, d, generator=generator) for _ in range(3))
     projection = Fn.draw_projection(m, d, num_heads=heads, generator=generator)
     scale = torch.rand(heads, generator=generator) + 0.5
@@ -340,14 +401,14 @@ def test_the_decode_kernel_equals_the_recurrent_step(padded):
     sums, *want = nprf_recurrent.recurrent_attention(phi_q, phi_k, u, *state, c)
     assert relative_error(out, normalize_attention(sums[..., :-1], sums[..., -1:])) < 1e-5
     for got, expected in zip(new_state, want):
-        assert relative_error(got, expected) < 1e-5
+        assert got.shape == expected.shape and (got.numel() == 0 or relative_error(got, expected) < 1e-5)
     assert all(torch.equal(a, b) for a, b in zip(state, before))
 
 
 def test_generation_through_the_kernels():
     """A tiny decoder with attention_algorithm="triton" (prefill and every decode step through the kernels) gives
     the logits of the PyTorch path, step by step, on a left-padded batch."""
-    from nprf_hf import NPRFRobertaConfig, NPRFRobertaForCausalLM, nprf_recurrent
+    from nprf_hf import NPRFRobertaConfig, NPRFRobertaForCausalLM, nprf_dispatch
     from nprf_hf.cache_nprf import NPRFCache
 
     config = NPRFRobertaConfig(**tiny_nprf_config(num_hidden_layers=2, logit_scale_max=4.0), is_decoder=True)
@@ -357,11 +418,11 @@ def test_generation_through_the_kernels():
     mask = torch.ones(2, 30, dtype=torch.long)
     mask[1, :4] = 0
     steps = []
-    original = nprf_recurrent.triton_decode_step
+    original = nprf_dispatch.triton_decode_step
     for algorithm in ("banded", "triton"):
         model.config.attention_algorithm = algorithm
         calls = []
-        nprf_recurrent.triton_decode_step = lambda *a: calls.append(1) or original(*a)
+        nprf_dispatch.triton_decode_step = lambda *a: calls.append(1) or original(*a)
         try:
             with torch.no_grad():
                 cache = NPRFCache(model.config)
@@ -369,7 +430,7 @@ def test_generation_through_the_kernels():
                 for t in range(20, 30):
                     logits.append(model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache).logits[:, -1])
         finally:
-            nprf_recurrent.triton_decode_step = original
+            nprf_dispatch.triton_decode_step = original
         steps.append((torch.stack(logits, 1), len(calls)))
     assert steps[0][1] == 0 and steps[1][1] == 10 * 2  # ten steps, two layers: every step through the kernel
     assert relative_error(steps[1][0], steps[0][0]) < 1e-5
@@ -444,25 +505,26 @@ def test_compiled_auto_falls_back_without_a_graph_break(monkeypatch, caplog):
     device and dtype) keep the compiled calls there on PyTorch's path; each said once in the log."""
     from nprf_hf import nprf_dispatch
 
-    monkeypatch.setattr(nprf_dispatch, "KERNEL_OF_DEVICE", {"cpu": "triton"})
-    monkeypatch.setattr(nprf_triton, "_told", set())
-    monkeypatch.setattr(nprf_triton, "_probed", {})
+    routing = nprf_dispatch.Routing(kernel_devices=("cpu",))
+    nprf_triton._log_once.cache_clear()
+    nprf_triton._probe.cache_clear()
     q, k, v, bias, projection, mask, segments, beta, width = segment_case(13)
 
     def attention(q, k, v, **terms):
-        return Fn.nprf_attention(q, k, v, bias, projection, mask, band_width=width + 1, **terms)
+        return Fn.nprf_attention(q, k, v, bias, projection, mask, band_width=width + 1, routing=routing, **terms)
 
     torch._dynamo.reset()
     with caplog.at_level(logging.WARNING, logger="nprf_hf.nprf_triton"):
         compiled = torch.compile(attention, backend="aot_eager", fullgraph=True)
         segmented = compiled(q, k, v, segment_ids=segments, segment_bias=beta, num_segments=2)
-        monkeypatch.setattr(nprf_triton, "_probed", {})
+        nprf_triton._probe.cache_clear()
         monkeypatch.setattr(nprf_triton, "attention_forward", lambda *a: 1 / 0)
         torch._dynamo.reset()
         plain = compiled(q, k, v)
     said = [r.getMessage() for r in caplog.records if "Triton kernels do not run" in r.getMessage()]
     assert len(said) == 2 and "segment_bias" in said[0] and "ZeroDivisionError" in said[1]
-    assert "ZeroDivisionError" in nprf_triton._probed[q.device, q.dtype]
+    assert "ZeroDivisionError" in nprf_triton.kernels_fail_on(q.device, q.dtype)
+    nprf_triton._probe.cache_clear()  # (the failure was this test's own: the next compiled call probes again)
     want = naive_attention(q, k, v, bias, projection, mask, segment_ids=segments, segment_bias=beta)
     assert relative_error(segmented, want) < 1e-5
     assert relative_error(plain, naive_attention(q, k, v, bias, projection, mask)) < 1e-5
@@ -477,6 +539,7 @@ def test_compiled_auto_runs_the_kernels_in_a_model(monkeypatch):
     from torch._dynamo.testing import AotEagerAndRecordGraphs
 
     from nprf_hf import NPRFRobertaForCausalLM, nprf_dispatch, nprf_recurrent
+    from nprf_hf.attention_nprf import NPRFSelfAttention
     from nprf_hf.nprf_terms import AttentionTerms
 
     torch._dynamo.reset()
@@ -485,7 +548,10 @@ def test_compiled_auto_runs_the_kernels_in_a_model(monkeypatch):
     eager = model(input_ids=ids, attention_mask=attention_mask).logits  # "auto" on the CPU: PyTorch's algorithms
     eager.square().mean().backward()
     want = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-    monkeypatch.setattr(nprf_dispatch, "KERNEL_OF_DEVICE", {"cpu": "triton"})
+    routing = nprf_dispatch.Routing(kernel_devices=("cpu",))
+    for layer in model.modules():
+        if isinstance(layer, NPRFSelfAttention):
+            layer.routing = routing
     backend = AotEagerAndRecordGraphs()
     model.zero_grad()
     logits = torch.compile(model, backend=backend, fullgraph=True)(input_ids=ids, attention_mask=attention_mask).logits
@@ -506,7 +572,7 @@ def test_compiled_auto_runs_the_kernels_in_a_model(monkeypatch):
 
     def step(algorithm):
         return nprf_recurrent.recurrent_step(*token, new_mask, state, table, projection, 6, 8, 16, algorithm, "nprf",
-                                             terms)
+                                             terms, routing)
 
     backend = AotEagerAndRecordGraphs()
     with torch.no_grad():
@@ -516,3 +582,41 @@ def test_compiled_auto_runs_the_kernels_in_a_model(monkeypatch):
     for got, expected in zip((out, *new_state), (want_out, *want_state)):
         assert relative_error(got, expected) < 1e-5
     torch._dynamo.reset()
+
+
+def test_a_decode_step_falls_back_when_the_kernel_fails(monkeypatch, caplog):
+    """A decode step the router gave the kernel ("auto" on a kernel device: the CPU plays one) that fails there runs
+    PyTorch's step for that call, said once, and the next step tries the kernel again; an explicit "triton" raises."""
+    from nprf_hf import nprf_dispatch, nprf_recurrent
+    from nprf_hf.nprf_terms import AttentionTerms
+
+    nprf_triton._log_once.cache_clear()
+    routing = nprf_dispatch.Routing(kernel_devices=("cpu",))
+    generator = torch.Generator().manual_seed(44)
+    token = [torch.randn(2, 2, 1, 16, generator=generator) for _ in range(3)]
+    state = [torch.rand(2, 2, 16, 17, generator=generator), torch.rand(2, 2, 5, 16, generator=generator),
+             torch.rand(2, 2, 5, 17, generator=generator)]
+    table = torch.randn(2, 8, generator=generator)
+    projection = Fn.draw_projection(16, 16, num_heads=2, generator=generator)
+    attempts = []
+
+    def broken(*args):
+        attempts.append(1)
+        raise RuntimeError("decode kernel failed to build")
+
+    monkeypatch.setattr(nprf_dispatch, "triton_decode_step", broken)
+
+    def step(algorithm):
+        return nprf_recurrent.recurrent_step(*token, None, state, table, projection, 6, 8, 16, algorithm, "nprf",
+                                             AttentionTerms(), routing)
+
+    with torch.no_grad():
+        want, _ = step("banded")
+        with caplog.at_level(logging.WARNING, logger="nprf_hf.nprf_triton"):
+            outs = [step("auto")[0] for _ in range(2)]
+        with pytest.raises(RuntimeError, match="failed to build"):
+            step("triton")
+    assert len(attempts) == 3
+    assert len([r for r in caplog.records if "failed to build" in r.getMessage()]) == 1
+    for out in outs:
+        assert relative_error(out, want) < 1e-6
