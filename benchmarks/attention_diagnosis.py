@@ -16,6 +16,9 @@ random-feature estimate), each variant converted from the source and transferred
 
     python benchmarks/attention_diagnosis.py --teacher $MINILM --variants normalized_softmax:30 nprf:8 nprf_near:30 \
         --transfer-steps 150 --output benchmarks/results/attention_diagnosis_cpu.json
+
+`--tasks sst2 cola mrpc` holds back each task's dev inputs instead (MRPC's as sentence pairs) and ends with one
+table: each student's mean KL / TV on every task.
 """
 
 import argparse
@@ -44,13 +47,32 @@ def sentences(path, limit):
     return [line.strip() for line in lines if len(line.strip().split()) >= 3][:limit]
 
 
+# Each GLUE task's dev file and the columns that hold its text (two for a sentence pair); read by tabs, as the data
+# README asks, since the files hold bare quotes.
+TASKS = {
+    "sst2": ("SST-2", True, (0,)),
+    "cola": ("CoLA", False, (3,)),
+    "mrpc": ("MRPC", True, (3, 4)),
+}
+
+
+def task_texts(task, limit):
+    """The first `limit` dev inputs of a GLUE task: strings, or (first, second) pairs for a sentence-pair task."""
+    folder, header, columns = TASKS[task]
+    with open(os.path.join(DATA, "glue", folder, "dev.tsv"), encoding="utf-8-sig") as handle:
+        rows = [line.split("\t") for line in handle.read().splitlines()[int(header):]]
+    texts = [tuple(row[c].strip() for c in columns) for row in rows if len(row) > max(columns)]
+    return [t[0] if len(t) == 1 else t for t in texts][:limit]
+
+
 @torch.no_grad()
 def attention_statistics(teacher, student, tokenizer, texts, band_width, batch_size=32, max_length=128):
     """{statistic: [layers, heads] tensor}, each a mean over the query rows of every text (padding excluded)."""
     sums, rows = None, 0
     for start in range(0, len(texts), batch_size):
-        batch = tokenizer(texts[start : start + batch_size], padding=True, truncation=True, max_length=max_length,
-                          return_tensors="pt")
+        chunk = texts[start : start + batch_size]
+        pairs = [list(side) for side in zip(*chunk)] if isinstance(chunk[0], tuple) else [chunk]
+        batch = tokenizer(*pairs, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
         p_all = teacher(**batch, output_attentions=True).attentions  # L x [B, H, n, n]
         q_all = student.base_model(**batch, output_attentions=True).attentions
         mask = batch["attention_mask"].bool()
@@ -138,6 +160,8 @@ def main(argv=None):
     parser.add_argument("--transfer-text", default=os.path.join(DATA, "wikitext-2", "valid.txt"))
     parser.add_argument("--held-out", default=os.path.join(DATA, "glue", "SST-2", "dev.tsv"),
                         help="held-back sentences: a GLUE TSV (text first) or a text file")
+    parser.add_argument("--tasks", nargs="+", choices=sorted(TASKS), default=None,
+                        help="instead of --held-out: each GLUE task's dev inputs (MRPC as sentence pairs)")
     parser.add_argument("--sentences", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
@@ -148,7 +172,11 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(args.teacher)
     teacher = AutoModel.from_pretrained(args.teacher, attn_implementation="eager").eval()
-    texts = sentences(args.held_out, args.sentences)
+    if args.tasks:
+        held_out = {task: task_texts(task, args.sentences) for task in args.tasks}
+    else:
+        held_out = {os.path.basename(os.path.dirname(args.held_out)) or args.held_out:
+                    sentences(args.held_out, args.sentences)}
     students = {}
     if args.student:
         students[args.student] = lambda: AutoModel.from_pretrained(args.student, trust_remote_code=True).eval()
@@ -157,19 +185,33 @@ def main(argv=None):
             variant, _, scale = spec.partition(":")
             students[spec] = (lambda v=variant, s=scale: transferred_student(
                 args.teacher, tokenizer, v, float(s or 0), args.transfer_steps, args.transfer_text, args.seed))
-    results = {}
+    results = {label: {} for label in held_out}
     for name, build in students.items():
         start = time.perf_counter()
         student = build()
         config = student.config
         band = rpe_band_width(config.rpe_num_buckets, config.rpe_max_distance)
-        stats = attention_statistics(teacher, student, tokenizer, texts, band)
-        report(f"{name} ({config.attention_variant}, logit_scale_max {config.logit_scale_max}; "
-               f"{time.perf_counter() - start:.0f} s)", stats)
-        results[name] = {k: v.tolist() for k, v in stats.items()}
+        for label, texts in held_out.items():
+            stats = attention_statistics(teacher, student, tokenizer, texts, band)
+            report(f"{label}, {name} ({config.attention_variant}, logit_scale_max {config.logit_scale_max}; "
+                   f"{time.perf_counter() - start:.0f} s)", stats)
+            results[label][name] = {k: v.tolist() for k, v in stats.items()}
+    summary(results)
     if args.output:
-        write_json(args.output, {"teacher": args.teacher, "held_out": args.held_out, "sentences": len(texts),
-                                 "transfer_steps": None if args.student else args.transfer_steps, "results": results})
+        write_json(args.output, {"teacher": args.teacher, "held_out": {k: len(v) for k, v in held_out.items()},
+                                 "transfer_steps": None if args.student else args.transfer_steps,
+                                 "transfer_text": None if args.student else args.transfer_text, "results": results})
+
+
+def summary(results):
+    """One line per student: mean KL / TV on each held-out set, side by side (the split of the loss)."""
+    labels = list(results)
+    print("\n## mean KL / total variation to the teacher, per held-out set")
+    print(f"{'student':<24}" + "".join(f"{label:>16}" for label in labels))
+    for name in results[labels[0]]:
+        cells = (results[label][name] for label in labels)
+        print(f"{name:<24}" + "".join(f"{torch.tensor(c['kl']).mean():>9.3f} / {torch.tensor(c['tv']).mean():.3f}"
+                                      for c in cells))
 
 
 if __name__ == "__main__":

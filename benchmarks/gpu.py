@@ -30,6 +30,7 @@ device named) and a plot:
 """
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -463,6 +464,7 @@ def compiled_part(s, device, dtype, log):
             except Exception as error:  # noqa: BLE001  (one device call: keep the other model's numbers)
                 row[f"{name}_error"] = f"{type(error).__name__}: {error}"[:2000]
                 log(f"compiled {name} {batch}x{n} failed: {row[f'{name}_error'][:500]}")
+                drop_compiled_state(models, device)
         for mode in ("forward", "train"):
             if f"nprf_{mode}_s" in row and f"sdpa_{mode}_s" in row:
                 row[f"nprf_over_sdpa_{mode}"] = row[f"nprf_{mode}_s"] / row[f"sdpa_{mode}_s"]
@@ -477,6 +479,18 @@ def compiled_part(s, device, dtype, log):
     del compiled, models
     torch._dynamo.reset()
     return rows
+
+
+def drop_compiled_state(models, device):
+    """After a compiled step failed: dynamo's caches and the CUDA graph trees dropped (the wrappers compile again on
+    their next call) and the device's cache emptied. An out-of-memory error inside a recorded graph leaves the tree
+    unusable: on the H200 (2026-11-28) every compiled point after SDPA's 16,384-token one failed a bare assertion."""
+    for model in models.values():
+        model.zero_grad(set_to_none=True)
+    torch._dynamo.reset()  # resets the CUDA graph trees too
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def decode_part(s, device, dtype, log):

@@ -5,14 +5,13 @@ lengths (`auto`: the dense algorithm), B x n per point, H = 12, d = 64, m = 64, 
     python benchmarks/near_field_cost.py --threads 2 --output benchmarks/results/near_field_cost_cpu.json
 
 `--against DIR` (another checkout of this repository, e.g. `git worktree add /tmp/base main`) times both trees:
-one persistent process per tree, their calls alternated round by round (one process holding two copies of the
-package would hold two thread pools, which slowed whichever ran second by up to 1.4x), best of `--rounds` medians.
+one persistent process per tree (`benchmarking.TreeWorkers`: this script with that tree's package), their calls
+alternated round by round, best of `--rounds` medians.
 """
 
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -85,35 +84,22 @@ def _worker():
 
 
 def _two_trees(args):
+    from nprf_hf.benchmarking import TreeWorkers  # here: the workers import the other tree's package, maybe older
+
     this = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     trees = {"this": this, "against": os.path.abspath(args.against)}
-    script = os.path.join("benchmarks", "near_field_cost.py")
-    workers = {
-        name: subprocess.Popen([sys.executable, script, "--worker", "--threads", str(args.threads)], cwd=tree,
-                               env={**os.environ, "PYTHONPATH": tree}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                               text=True)
-        for name, tree in trees.items()
-    }
-
-    def ask(name, *fields):
-        workers[name].stdin.write(" ".join(map(str, fields)) + "\n")
-        workers[name].stdin.flush()
-        answer = workers[name].stdout.readline()
-        if not answer:
-            raise RuntimeError(f"the worker in {trees[name]} stopped (is it a checkout of this repository?)")
-        return float(answer)
-
     rows = []
-    try:
+    with TreeWorkers(trees, os.path.abspath(__file__), ["--worker", "--threads", args.threads]) as workers:
+        ask = workers.ask
         for batch, n in _points(args.points):
             for mode in ("fwd", "fwd+bwd"):
-                for name in workers:  # warm-up, and the repeats that fill --min-time
+                for name in trees:  # warm-up, and the repeats that fill --min-time
                     for variant in VARIANTS:
                         ask(name, batch, n, mode, variant, 2)
                 repeats = max(3, int(args.min_time / ask("this", batch, n, mode, "nprf", 1)))
                 best = {}
                 for _ in range(args.rounds):
-                    for name in workers:
+                    for name in trees:
                         for variant in VARIANTS:
                             t = ask(name, batch, n, mode, variant, repeats)
                             best[name, variant] = min(best.get((name, variant), t), t)
@@ -125,10 +111,6 @@ def _two_trees(args):
                       f"{best['this', 'nprf_near'] * 1e3:8.1f} ms ({row['ratio']:.2f}) | against: nprf "
                       f"{best['against', 'nprf'] * 1e3:8.1f} near {best['against', 'nprf_near'] * 1e3:8.1f} ms "
                       f"({row['ratio_against']:.2f})", flush=True)
-    finally:
-        for worker in workers.values():
-            worker.stdin.close()
-            worker.wait()
     return {"threads": args.threads, "torch": torch.__version__, "against": trees["against"], "rows": rows}
 
 
@@ -145,9 +127,9 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     if args.worker:
         return _worker()
-    if args.against is not None and not os.path.isfile(os.path.join(args.against, "benchmarks", "near_field_cost.py")):
+    if args.against is not None and not os.path.isfile(os.path.join(args.against, "nprf_hf", "functional.py")):
         parser.error(f"--against {args.against!r} is not a checkout of this repository "
-                     "(it has no benchmarks/near_field_cost.py)")
+                     "(it has no nprf_hf/functional.py)")
     result = _one_tree(args) if args.against is None else _two_trees(args)
     if args.output:
         write_json(args.output, result)

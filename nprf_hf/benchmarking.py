@@ -6,7 +6,7 @@ so a measurement is written once and every figure in `benchmarks/results/` means
 transformers are imported inside the functions that need them: the busy load and the JSON writer run without them.
 
 Timing: `timed` (one call), `repeat_times` / `median_time` (warm-up calls, then repeats), `alternating_times`
-(several calls timed in turns). Memory: `PeakMemory` / `peak_memory` (what the process holds: peak RSS on the CPU,
+(several calls timed in turns), `TreeWorkers` (two checkouts timed in turns). Memory: `PeakMemory` / `peak_memory` (what the process holds: peak RSS on the CPU,
 `torch.cuda.max_memory_allocated` on CUDA) and `peak_allocated` (bytes allocated by torch, CPU included).
 Busy load: `competing_load`, `quiet_then_busy`, `busy_comparison`, `busy_line` and the `--busy-cores` option.
 """
@@ -93,6 +93,43 @@ def alternating_times(calls, repeats, device=None, warmup=1, after=None):
             if after is not None:
                 after(name)
     return times
+
+
+class TreeWorkers:
+    """One persistent worker process per checkout of this repository ({name: folder}), each running `script` (a
+    path) with that checkout first on PYTHONPATH, so one script times every tree's package; `ask(name, *fields)`
+    writes one line to that worker and reads back the one number it answers. For side-by-side timings: one process
+    holding two copies of the package holds two thread pools, which slowed whichever ran second by up to 1.4x."""
+
+    def __init__(self, trees, script, args=()):
+        self.trees = dict(trees)
+        self.workers = {
+            name: subprocess.Popen([sys.executable, script, *map(str, args)], cwd=tree,
+                                   env={**os.environ, "PYTHONPATH": tree}, stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, text=True)
+            for name, tree in self.trees.items()
+        }
+
+    def ask(self, name, *fields):
+        worker = self.workers[name]
+        worker.stdin.write(" ".join(map(str, fields)) + "\n")
+        worker.stdin.flush()
+        answer = worker.stdout.readline()
+        if not answer:
+            raise RuntimeError(f"the worker in {self.trees[name]} stopped (is it a checkout of this repository?)")
+        return float(answer)
+
+    def close(self):
+        for worker in self.workers.values():
+            if worker.stdin and not worker.stdin.closed:
+                worker.stdin.close()
+            worker.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_):
+        self.close()
 
 
 # ---- memory ------------------------------------------------------------------------------------------------------
