@@ -1,10 +1,11 @@
 """This checkout against another one on the CPU, side by side in one run: attention alone (nprf and nprf_near,
-forward and forward + backward, B x n points as `auto` runs them), a GLUE-length training step of a MiniLM-sized
-classifier (32 x 128, dynamic padding) and a decode step of a RoBERTa-base-sized decoder after a prefill; quiet,
-then again with `--busy-cores` spun by a competing load.
+forward and forward + backward, B x n points as `auto` runs them), compiled attention (torch.compile, aot_eager),
+a GLUE-length training step of a MiniLM-sized classifier (32 x 128, dynamic padding) and a decode step of a
+RoBERTa-base-sized decoder after a prefill; quiet, then again with `--busy-cores` spun by a competing load.
 
     git worktree add /tmp/main main
-    python benchmarks/side_by_side.py --against /tmp/main --busy-cores 0 --output benchmarks/results/side_by_side_cpu.json
+    python benchmarks/side_by_side.py --against /tmp/main --busy-cores 0 \
+        --output benchmarks/results/side_by_side_cpu.json
 
 One persistent worker process per tree (`benchmarking.TreeWorkers`: this script with that tree's package first on
 PYTHONPATH, so the worker uses only what older trees have), their calls alternated round by round, each figure the
@@ -12,6 +13,7 @@ best of `--rounds` medians. Models are random-weight and seeded alike in both tr
 """
 
 import argparse
+import inspect
 import os
 import statistics
 import sys
@@ -26,12 +28,20 @@ from nprf_hf.benchmarking import (MODEL_SIZES, add_busy_cores_argument, attentio
 VARIANTS = ("nprf", "nprf_near")
 
 
-def attention_call(inputs, n, variant, backward):
+def attention_call(inputs, n, variant, backward, compiled=False):
+    """One attention call (and its backward); `compiled`: under torch.compile with aot_eager (dynamo and
+    AOTAutograd, where the banded product is one opaque op, without inductor's minutes of C++ compiles)."""
     q, k, v, table, projection = inputs
 
-    def run():
+    def attention(q, k, v, table, projection):
         bias = Fn.relative_position_bias(table, n)
-        out = Fn.nprf_attention(q, k, v, bias, projection, band_width=Fn.rpe_band_width(), variant=variant)
+        return Fn.nprf_attention(q, k, v, bias, projection, band_width=Fn.rpe_band_width(), variant=variant)
+
+    if compiled:
+        attention = torch.compile(attention, backend="aot_eager", dynamic=False)
+
+    def run():
+        out = attention(*inputs)
         if backward:
             out.sum().backward()
             for x in inputs:
@@ -67,15 +77,16 @@ def decode_step(context):
     config = NPRFRobertaConfig(vocab_size=50265, is_decoder=True, max_position_embeddings=context + 4098,
                                pad_token_id=1, **MODEL_SIZES["roberta-base"])
     model = NPRFRobertaForCausalLM(config).eval()
-    cache = NPRFCache(config)
+    # transformers 5.24 renamed the argument (the old name warns until 5.40); older trees' models take the old one
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache = {name: NPRFCache(config)}
     with torch.inference_mode():
-        logits = model(input_ids=torch.randint(3, config.vocab_size, (1, context)), past_key_values=cache,
-                       use_cache=True).logits
+        logits = model(input_ids=torch.randint(3, config.vocab_size, (1, context)), use_cache=True, **cache).logits
     token = [logits[:, -1:].argmax(-1)]
 
     def run():
         with torch.inference_mode():
-            out = model(input_ids=token[0], past_key_values=cache, use_cache=True).logits
+            out = model(input_ids=token[0], use_cache=True, **cache).logits
         token[0] = out[:, -1:].argmax(-1)
 
     return run
@@ -95,12 +106,16 @@ def _worker():
                 inputs = attention_inputs(batch, 12, n, 64, 64, torch.device("cpu"), mode != "fwd")
                 calls = {k: c for k, c in calls.items() if k[0] != "attention" or k[1:3] == key[1:3]}
                 calls[key] = attention_call(inputs, n, variant, mode != "fwd")
+            elif kind == "compiled":
+                batch, n, variant = int(rest[0]), int(rest[1]), rest[2]
+                inputs = attention_inputs(batch, 12, n, 64, 64, torch.device("cpu"), True)
+                calls[key] = attention_call(inputs, n, variant, True, compiled=True)
             elif kind == "glue":
                 calls[key] = glue_step(int(rest[0]), int(rest[1]), rest[2])
             else:
                 calls[key] = decode_step(int(rest[0]))
         run, times = calls[key], []
-        grad = torch.enable_grad() if key[0] == "glue" or "fwd+bwd" in key else torch.inference_mode()
+        grad = torch.enable_grad() if key[0] in ("glue", "compiled") or "fwd+bwd" in key else torch.inference_mode()
         with grad:
             for _ in range(int(repeats)):
                 start = time.perf_counter()
@@ -116,9 +131,14 @@ def workloads(args):
         batch, n = point.split("x")
         for mode in ("fwd", "fwd+bwd"):
             rows += [(f"attention {point} {mode} {v}", ["attention", batch, n, mode, v]) for v in VARIANTS]
-    batch, n = args.glue.split("x")
-    rows += [(f"GLUE step {args.glue} {v}", ["glue", batch, n, v]) for v in VARIANTS]
-    rows.append((f"decode step after {args.decode_context}", ["decode", args.decode_context]))
+    for point in args.compiled:
+        batch, n = point.split("x")
+        rows += [(f"compiled attention {point} fwd+bwd {v}", ["compiled", batch, n, v]) for v in VARIANTS]
+    if args.glue:
+        batch, n = args.glue.split("x")
+        rows += [(f"GLUE step {args.glue} {v}", ["glue", batch, n, v]) for v in VARIANTS]
+    if args.decode_context:
+        rows.append((f"decode step after {args.decode_context}", ["decode", args.decode_context]))
     return rows
 
 
@@ -143,9 +163,10 @@ def measure(workers, trees, args, phase):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--against", required=False, help="another checkout of this repository (e.g. main)")
-    parser.add_argument("--points", nargs="+", default=["1x4096", "1x16384"], help="attention points, BxN")
-    parser.add_argument("--glue", default="32x128", help="the classifier's training step, BxN")
-    parser.add_argument("--decode-context", type=int, default=1024)
+    parser.add_argument("--points", nargs="*", default=["1x4096", "1x16384"], help="attention points, BxN")
+    parser.add_argument("--compiled", nargs="*", default=["4x2048"], help="compiled attention points, BxN")
+    parser.add_argument("--glue", default="32x128", help="the classifier's training step, BxN ('': none)")
+    parser.add_argument("--decode-context", type=int, default=1024, help="the decode step's prefill (0: none)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--min-time", type=float, default=0.5)
     parser.add_argument("--rounds", type=int, default=3)

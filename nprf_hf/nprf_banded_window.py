@@ -7,6 +7,7 @@ exp(q_near[k] @ K_near_k) times the near coefficients, and the feature scores ar
 blocks that hold far pairs.
 """
 
+import collections
 import itertools
 import math
 import re
@@ -31,20 +32,60 @@ def _free_library(base, op):
             return library
 
 
-# torch.compile sees the near product, forward and backward, as two opaque ops that run the eager kernels (a group
-# of chunks at a time, in cache): traced as whole-tensor ops it computed every chunk's weights at once and ran 5-6%
-# slower than eager at 4k-16k tokens. An op takes no scheduler: the ops loop over the sequences on the calling
-# thread (`SERIAL`), eager calls run `window_product`'s Function on the caller's.
-_LIBRARY = _free_library(re.sub(r"\W", "_", __name__), "band_window_product")
+WindowOps = collections.namedtuple("WindowOps", "library product backward")
 
 
-@torch.library.custom_op(f"{_LIBRARY}::band_window_product", mutates_args=())
-def band_window_product(
-    q: torch.Tensor, k_rows: torch.Tensor, u_rows: torch.Tensor, coefficients: torch.Tensor,
-    q_near: Optional[torch.Tensor] = None, k_near_rows: Optional[torch.Tensor] = None,
-    near_coefficients: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """out[k] = ((q[k] @ K_k) * coefficients) @ U_k for every chunk k, K_k / U_k its window of keys.
+def define_window_ops(base, scheduler):
+    """The two opaque ops torch.compile sees for the window product, forward and backward (traced as whole-tensor ops
+    it computed every chunk's weights at once and ran 5-6% slower than eager at 4k-16k tokens), registered under a
+    free library named after `base`. An op takes no scheduler argument: they run their sequences on `scheduler()`,
+    asked when they run, so that the edge can register a pair on its threads."""
+    library = _free_library(re.sub(r"\W", "_", base), "band_window_product")
+
+    @torch.library.custom_op(f"{library}::band_window_product", mutates_args=())
+    def product(
+        q: torch.Tensor, k_rows: torch.Tensor, u_rows: torch.Tensor, coefficients: torch.Tensor,
+        q_near: Optional[torch.Tensor] = None, k_near_rows: Optional[torch.Tensor] = None,
+        near_coefficients: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        return _window_product(q, k_rows, u_rows, coefficients, q_near, k_near_rows, near_coefficients, scheduler())
+
+    @product.register_fake
+    def _(q, k_rows, u_rows, coefficients, q_near=None, k_near_rows=None, near_coefficients=None):
+        return q.new_empty(q.shape[0], coefficients.shape[1], u_rows.shape[-1])
+
+    @torch.library.custom_op(f"{library}::band_window_product_backward", mutates_args=())
+    def backward(
+        q: torch.Tensor, k_rows: torch.Tensor, u_rows: torch.Tensor, coefficients: torch.Tensor,
+        grad_out: torch.Tensor, needs_coefficients: bool, q_near: Optional[torch.Tensor] = None,
+        k_near_rows: Optional[torch.Tensor] = None, near_coefficients: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        grads = _band_window_backward(q, k_rows, u_rows, coefficients, grad_out, needs_coefficients,
+                                      q_near, k_near_rows, near_coefficients, threads=scheduler())
+        return tuple(coefficients.new_empty(0) if grad is None else grad for grad in grads)  # (distinct: no aliases)
+
+    @backward.register_fake
+    def _(q, k_rows, u_rows, coefficients, grad_out, needs_coefficients, q_near=None, k_near_rows=None,
+          near_coefficients=None):
+        def like(t, needed=True):
+            return torch.empty_like(t) if t is not None and needed else coefficients.new_empty(0)
+
+        return (like(q), like(k_rows), like(u_rows), like(coefficients, needs_coefficients), like(q_near),
+                like(k_near_rows), like(near_coefficients, needs_coefficients))
+
+    def grad(ctx, grad_out):
+        needs_coefficients = ctx.needs_input_grad[3] or (len(ctx.needs_input_grad) > 6 and ctx.needs_input_grad[6])
+        q, k_rows, u_rows, coefficients, *near = ctx.saved_tensors
+        grads = backward(q, k_rows, u_rows, coefficients, grad_out, needs_coefficients, *near)
+        return tuple(grad if needed else None for grad, needed in zip(grads, ctx.needs_input_grad))
+
+    product.register_autograd(grad, setup_context=lambda ctx, inputs, output: ctx.save_for_backward(*inputs))
+    return WindowOps(library, product, backward)
+
+
+def _window_product(q, k_rows, u_rows, coefficients, q_near, k_near_rows, near_coefficients, threads):
+    """out[k] = ((q[k] @ K_k) * coefficients) @ U_k for every chunk k, K_k / U_k its window of keys; the sequences
+    are the items of `threads` (an `nprf_schedule` scheduler).
 
     q: [B*H*chunks, s, m]; k_rows: [B*H, rows, m], u_rows: [B*H, rows, e] with chunk k's window at
     rows k*s .. k*s + window of its head; coefficients: [H, s, window]. Returns [B*H*chunks, s, e]. The
@@ -53,11 +94,6 @@ def band_window_product(
     The exact near field (all three or none): q_near [B*H*chunks, s, f], k_near_rows [B*H, rows, f] and
     near_coefficients [H, s, window] add exp(q_near[k] @ K_near_k) * near_coefficients to the weights.
     """
-    return _window_product(q, k_rows, u_rows, coefficients, q_near, k_near_rows, near_coefficients, SERIAL)
-
-
-def _window_product(q, k_rows, u_rows, coefficients, q_near, k_near_rows, near_coefficients, threads):
-    """`band_window_product` with its sequences as the items of `threads` (an `nprf_schedule` scheduler)."""
     heads, chunk, window = coefficients.shape
     sequences = k_rows.shape[0]
     num_chunks = q.shape[0] // sequences
@@ -91,53 +127,15 @@ def _window_product(q, k_rows, u_rows, coefficients, q_near, k_near_rows, near_c
     return out
 
 
-@band_window_product.register_fake
-def _(q, k_rows, u_rows, coefficients, q_near=None, k_near_rows=None, near_coefficients=None):
-    return q.new_empty(q.shape[0], coefficients.shape[1], u_rows.shape[-1])
-
-
-@torch.library.custom_op(f"{_LIBRARY}::band_window_product_backward", mutates_args=())
-def band_window_product_backward(
-    q: torch.Tensor, k_rows: torch.Tensor, u_rows: torch.Tensor, coefficients: torch.Tensor, grad_out: torch.Tensor,
-    needs_coefficients: bool, q_near: Optional[torch.Tensor] = None, k_near_rows: Optional[torch.Tensor] = None,
-    near_coefficients: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(grad q, k_rows, u_rows, coefficients, q_near, k_near_rows, near_coefficients) of `band_window_product`; the
-    coefficients' are empty unless `needs_coefficients`, the near field's without it."""
-    grads = _band_window_backward(q, k_rows, u_rows, coefficients, grad_out, needs_coefficients,
-                                  q_near, k_near_rows, near_coefficients)
-    return tuple(coefficients.new_empty(0) if grad is None else grad for grad in grads)  # (distinct: no aliases)
-
-
-@band_window_product_backward.register_fake
-def _(q, k_rows, u_rows, coefficients, grad_out, needs_coefficients, q_near=None, k_near_rows=None,
-      near_coefficients=None):
-    def like(t, needed=True):
-        return torch.empty_like(t) if t is not None and needed else coefficients.new_empty(0)
-
-    return (like(q), like(k_rows), like(u_rows), like(coefficients, needs_coefficients), like(q_near),
-            like(k_near_rows), like(near_coefficients, needs_coefficients))
-
-
-def _save_band_window_inputs(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
-
-
-def _band_window_product_grad(ctx, grad_out):
-    needs_coefficients = ctx.needs_input_grad[3] or (len(ctx.needs_input_grad) > 6 and ctx.needs_input_grad[6])
-    q, k_rows, u_rows, coefficients, *near = ctx.saved_tensors
-    grads = band_window_product_backward(q, k_rows, u_rows, coefficients, grad_out, needs_coefficients, *near)
-    return tuple(grad if needed else None for grad, needed in zip(grads, ctx.needs_input_grad))
-
-
-band_window_product.register_autograd(_band_window_product_grad, setup_context=_save_band_window_inputs)
+# the ops compiled code runs unless the caller's scheduler brings its own (`compiled_window_product`)
+_LIBRARY, band_window_product, band_window_product_backward = define_window_ops(__name__, lambda: SERIAL)
 
 
 def window_product(q, k_rows, u_rows, coefficients, *near, threads=SERIAL):
     """`band_window_product` (`near`: its three near-field inputs or none), its sequences the items of `threads`
     where eager; compiled, the opaque op."""
-    if torch.compiler.is_compiling():
-        return band_window_product(q, k_rows, u_rows, coefficients, *near)
+    if torch.compiler.is_compiling():  # an op takes no scheduler: the caller's may bring ops on its threads
+        return getattr(threads, "compiled_window_product", band_window_product)(q, k_rows, u_rows, coefficients, *near)
     return _WindowProduct.apply(threads, q, k_rows, u_rows, coefficients, *near)
 
 

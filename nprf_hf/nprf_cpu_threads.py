@@ -28,6 +28,7 @@ import time
 
 import torch
 
+from .nprf_banded_window import define_window_ops
 from .nprf_schedule import SERIAL
 
 
@@ -314,6 +315,16 @@ class CpuThreads:
 
     def release(self):
         release_freed_memory()
+
+    @property
+    def compiled_window_product(self):
+        """The window product's opaque op for compiled code (which cannot pass a scheduler), sequences on the pool."""
+        return _POOLED_WINDOW_OPS.product
+
+
+# Compiled, the window product's sequences run on the pool as eager calls run them: the math's own ops, serial, were
+# 1.3-1.4x slower at 4 x 2,048 quiet and 1.9x busy (docs/RESULTS.md "Threads at the edge").
+_POOLED_WINDOW_OPS = define_window_ops(__name__, lambda: CpuThreads("cpu"))
 
 
 def threads_for(device, routing=None):

@@ -834,11 +834,13 @@ def test_side_by_side_times_every_workload_in_both_trees(tmp_path, capsys):
     a checkout is refused in one line."""
     script = load_script("side_by_side")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    result = script.main(["--against", root, "--points", "1x48", "--glue", "2x16", "--decode-context", "8",
-                          "--rounds", "1", "--min-time", "0.001", "--threads", "1", "--output", str(tmp_path / "s.json")])
+    result = script.main(["--against", root, "--points", "1x48", "--compiled", "2x40", "--glue", "2x16",
+                          "--decode-context", "8", "--rounds", "1", "--min-time", "0.001", "--threads", "1",
+                          "--output", str(tmp_path / "s.json")])
     labels = [row["workload"] for row in result["rows"]]
     assert labels == [f"attention 1x48 {mode} {v}" for mode in ("fwd", "fwd+bwd") for v in ("nprf", "nprf_near")] + [
-        "GLUE step 2x16 nprf", "GLUE step 2x16 nprf_near", "decode step after 8"]
+        "compiled attention 2x40 fwd+bwd nprf", "compiled attention 2x40 fwd+bwd nprf_near", "GLUE step 2x16 nprf",
+        "GLUE step 2x16 nprf_near", "decode step after 8"]
     for row in result["rows"]:
         assert row["phase"] == "quiet" and set(row["seconds"]) == {"this", "against"}
         assert row["this_over_against"] == row["seconds"]["this"] / row["seconds"]["against"] > 0
