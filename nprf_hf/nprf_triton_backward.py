@@ -7,8 +7,8 @@ delta_i): dphi_q reads the forward's key states, dphi_k and dv read the same kin
 delta), and the bias gets dA_ij phi_q . phi_k per pair (the far blocks' sum goes to the outermost entry of each
 direction, r = +-(n - 1), exact for a bias tied beyond W). phi_q and phi_k are the features forward stored: the
 band tiles load them, and each program turns its rows' dphi (band + far, summed) into dq or dk once, at its end.
-Each band loop carries one accumulator: a loop that carried two (dv and dphi_k, or dphi_q and the bias's per-pair
-sums) spilled registers on sm_90.
+query_grad's band loops carry one accumulator each (dphi_q, then the bias's per-pair sums: together they spilled
+registers on sm_90); key_grad's one loop carries dv and dphi_k, which fit now that no tile recomputes features.
 """
 
 try:
@@ -217,30 +217,24 @@ def nprf_key_grad_kernel(
     if CAUSAL:
         lo = block
     hi = tl.minimum(block + REACH, NC - 1)
-    # Two loops over the band's query blocks, one accumulator each (dv, then dphi_k): one chain of two dots a tile,
-    # and half the registers live across the loop (both at once spilled).
     # far queries after the band read these keys with c_{-(n-1)}: dv = c S^T phi_k, dphi_k = c (S v + Z)
     c_before, c_after = tl.exp(tl.load(c_row) - shift), tl.exp(tl.load(c_row + 2 * N - 2) - shift)
     after, after_sum = _blocks(QP, bh, hi + 1, NC, NC, SPLIT, BM, BV)
     dv = c_before * _dot(phi_k, after, HALF)
+    dphi = c_before * (_dot(v, tl.trans(after), HALF) + after_sum[None, :])
     if not CAUSAL:  # far queries before the band, with c_{n-1}
         before, before_sum = _blocks(QP, bh, 0, lo, NC, SPLIT, BM, BV)
         dv += c_after * _dot(phi_k, before, HALF)
-    for query_block in range(lo, hi + 1):
-        phi_q, g, _, c = _query_tile(FQ, G, DELTA, C, shift, h, bh, rows_k, keep, query_block, N, DV, M, CAUSAL, HALF,
-                                     BT, BV, BM)
-        dv += _dot(_dot(phi_k, tl.trans(phi_q), HALF) * c, g, HALF)
-    tl.store(DV_OUT + (bh * N + rows_k[:, None]) * DV + cols_v[None, :], dv,
-             mask=(rows_k[:, None] < N) & (cols_v[None, :] < DV))
-    after, after_sum = _blocks(QP, bh, hi + 1, NC, NC, SPLIT, BM, BV)
-    dphi = c_before * (_dot(v, tl.trans(after), HALF) + after_sum[None, :])
-    if not CAUSAL:
-        before, before_sum = _blocks(QP, bh, 0, lo, NC, SPLIT, BM, BV)
         dphi += c_after * (_dot(v, tl.trans(before), HALF) + before_sum[None, :])
+    # one loop for both (each query tile read once): with the features loaded, not recomputed, the two accumulators
+    # fit sm_90's registers (two loops were needed before)
     for query_block in range(lo, hi + 1):
         phi_q, g, delta, c = _query_tile(FQ, G, DELTA, C, shift, h, bh, rows_k, keep, query_block, N, DV, M, CAUSAL,
                                          HALF, BT, BV, BM)
+        dv += _dot(_dot(phi_k, tl.trans(phi_q), HALF) * c, g, HALF)
         dphi += _dot((_dot(v, tl.trans(g), HALF) + delta[None, :]) * c, phi_q, HALF)
+    tl.store(DV_OUT + (bh * N + rows_k[:, None]) * DV + cols_v[None, :], dv,
+             mask=(rows_k[:, None] < N) & (cols_v[None, :] < DV))
     dphi = tl.where(keep[:, None], dphi, 0.0)
     droot = _rows_grad(K, FK, W, ROOT, b, h, bh, rows_k, stride_kb, stride_kh, stride_kn, stride_kd, dphi, N, D, M, DK,
                        W_PER_HEAD, EPS, HALF, BD, BM)
