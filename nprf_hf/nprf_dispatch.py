@@ -351,7 +351,7 @@ def _attention_route(call, requested, kernels):
         feature_bytes = batch * heads * n * m * torch.finfo(compute_dtype(query.dtype)).bits // 8
         recompute = algorithm in RECOMPUTE_ALGORITHMS and feature_bytes >= call.routing.recompute_min_bytes
     mode = "autograd"
-    # (not compiled: the partitioner decides what backward recomputes; the kernels keep no features)
+    # (not compiled: the partitioner decides what backward recomputes; the kernels keep their features, stored once)
     if backend == "torch" and recompute and needs_grad and not torch.compiler.is_compiling():
         lean = (backend, algorithm, "recompute") in PRODUCTS and not terms.product_value_read()
         mode = "recompute" if lean and not (near and terms.pair_terms) else "checkpoint"  # (near: read in the product)

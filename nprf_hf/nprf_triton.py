@@ -1,8 +1,8 @@
 # coding=utf-8
 """The "triton" algorithm: the banded NPRF product as fused GPU kernels (`nprf_triton_kernels`), forward and
 backward, bidirectional and causal, with key padding and the logit scale. The feature map and the q / k
-normalization run inside the kernels: what is kept for backward is q, k, v, the output, its denominator and the
-per-block key states (n / BT x m x d_v per head), never the [n, m] features.
+normalization run inside the kernels, once per token: phi_q and phi_k [B, H, n, m] are stored (`_features`) for
+the band tiles and backward, which keeps them with q, k, v, the output, its denominator and the per-block key states.
 
 The launches are custom ops (`attention_forward` with its autograd, `attention_backward`, `decode_step`), with
 shape-only fake implementations: torch.compile traces a call without a graph break, and a compiled model's kernels
@@ -189,18 +189,24 @@ def _tf32_allowed():
 DIAGONAL_SUMS = False
 
 
+def _features(query, s):
+    """(phi_q, phi_k) [B, H, n, m] for the forward and states kernels to fill: bf16 for half inputs (what the dots
+    read; exp features leave fp16's range), fp32 for fp32 inputs."""
+    dtype = torch.bfloat16 if query.dtype in (torch.float16, torch.bfloat16) else torch.float32
+    return tuple(query.new_empty(s["batch"], s["heads"], s["n"], s["m"], dtype=dtype) for _ in "qk")
+
+
 def _block_states(query, s):
     """The buffer a states kernel fills, [B*H, NC, BM * (BV + 1)] fp32: per block its [BM, BV] states, then its [BM]
     sums, summed since the start of its split (`_launch`'s s["grid"]; the kernels' `_blocks` reads it)."""
     return query.new_empty(s["batch"] * s["heads"], s["blocks"], s["BM"] * (s["BV"] + 1), dtype=torch.float32)
 
 
-def _mask_arg(key_padding_mask, query):
-    """(the mask [B, n] as the kernels read it (`!= 0`, unit stride along n), its batch stride, whether there is one);
-    without a mask, query stands in for the pointer (never read)."""
-    if key_padding_mask is None:
+def _mask_arg(mask, query):
+    """(the key padding mask [B, n] as the kernels read it (`!= 0`, unit stride along n), its batch stride, whether
+    there is one); without a mask, query stands in for the pointer (never read)."""
+    if mask is None:
         return query, 0, False
-    mask = key_padding_mask
     if mask.device != query.device or mask.stride(-1) != 1 or mask.dtype not in (torch.bool, torch.int8, torch.uint8):
         mask = mask.to(device=query.device, dtype=torch.int8).contiguous()
     return mask, mask.stride(0), True
@@ -216,10 +222,10 @@ def _attention_forward(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor, root: torch.Tensor,
     projection: torch.Tensor, key_padding_mask: Optional[torch.Tensor], causal: bool, reach: int, block: int,
     num_warps: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """z [B, H, n, d_v] of q, k, v with Toeplitz coefficients exp(bias) (bias [H, 2n - 1] fp32, tied beyond the
-    band) and feature scale root [H], and what backward reads: its denominator [B, H, n] and the key states and
-    key-feature sums summed within splits of blocks [B*H, NC, BM * (BV + 1)] (fp32, `_block_states`)."""
+    band) and feature scale root [H], and what backward reads: its denominator [B, H, n], the key states summed
+    within splits of blocks (`_block_states`) and the features phi_q, phi_k (`_features`)."""
     # (`from .x import`, the form transformers follows to copy a remote-code file's siblings)
     from .nprf_triton_kernels import nprf_forward_kernel, nprf_key_states_kernel
 
@@ -227,19 +233,18 @@ def _attention_forward(
     # (the projection in its own dtype: the kernels convert it as they load it)
     projection, bias, root = projection.contiguous(), bias.float().contiguous(), root.float().contiguous()
     mask, stride_mb, has_mask = _mask_arg(key_padding_mask, query)
-    prefix = _block_states(query, s)
+    prefix, (phi_q, phi_k) = _block_states(query, s), _features(query, s)
     nprf_key_states_kernel[s["grid"]](
-        key, value, projection, mask, root, prefix, *key.stride(), *value.stride(), stride_mb,
+        key, value, projection, mask, root, prefix, phi_k, *key.stride(), *value.stride(), stride_mb,
         *sizes, log_m_half, HAS_MASK=has_mask, **common,
     )
     out = torch.empty(s["batch"], s["heads"], s["n"], s["dv"], device=query.device, dtype=value.dtype)
     denominator = torch.empty(s["batch"], s["heads"], s["n"], device=query.device, dtype=torch.float32)
     nprf_forward_kernel[grid](
-        query, key, value, projection, mask, root, bias, prefix, out, denominator,
-        *query.stride(), *key.stride(), *value.stride(), stride_mb, *sizes, reach, log_m_half,
-        CAUSAL=causal, HAS_MASK=has_mask, **common,
+        query, value, projection, root, bias, prefix, phi_k, phi_q, out, denominator,
+        *query.stride(), *value.stride(), *sizes, reach, log_m_half, CAUSAL=causal, **common,
     )
-    return out, denominator, prefix
+    return out, denominator, prefix, phi_q, phi_k
 
 
 attention_forward = torch.library.custom_op(f"{_LIBRARY}::attention_forward", mutates_args=())(_attention_forward)
@@ -249,14 +254,15 @@ attention_forward = torch.library.custom_op(f"{_LIBRARY}::attention_forward", mu
 def _(query, key, value, bias, root, projection, key_padding_mask, causal, reach, block, num_warps):
     s = _launch(query, value, projection, block, num_warps)[0]
     return (query.new_empty(s["batch"], s["heads"], s["n"], s["dv"], dtype=value.dtype),
-            query.new_empty(s["batch"], s["heads"], s["n"], dtype=torch.float32), _block_states(query, s))
+            query.new_empty(s["batch"], s["heads"], s["n"], dtype=torch.float32), _block_states(query, s),
+            *_features(query, s))
 
 
 def _attention_backward(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor, root: torch.Tensor,
     projection: torch.Tensor, key_padding_mask: Optional[torch.Tensor], out: torch.Tensor, denominator: torch.Tensor,
-    prefix: torch.Tensor, grad_out: torch.Tensor, causal: bool, reach: int, block: int,
-    num_warps: int, needs_c: bool,
+    prefix: torch.Tensor, phi_q: torch.Tensor, phi_k: torch.Tensor, grad_out: torch.Tensor, causal: bool, reach: int,
+    block: int, num_warps: int, needs_c: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv in their inputs' dtypes, d bias [H, 2n - 1] (not written unless `needs_c`), d root [H]) of
     `attention_forward` from what it returned and grad_out [B, H, n, d_v]."""
@@ -265,7 +271,7 @@ def _attention_backward(
     s, common, sizes, log_m_half, grid = _launch(query, value, projection, block, num_warps)
     projection, bias, root = projection.contiguous(), bias.float().contiguous(), root.float().contiguous()
     # (the kernels index these as laid out by forward: contiguous, whatever a compiler passes)
-    out, denominator, prefix = (t.contiguous() for t in (out, denominator, prefix))
+    out, denominator, prefix, phi_q, phi_k = (t.contiguous() for t in (out, denominator, prefix, phi_q, phi_k))
     mask, stride_mb, has_mask = _mask_arg(key_padding_mask, query)
     # g = dz / den [B, H, n, d_v] and delta = -(g . z) [B, H, n] (the gradient of weight (i, j) is g_i . v_j +
     # delta_i), fp32: the query-states kernel computes them from grad_out (any strides) and stores them for the others
@@ -275,20 +281,19 @@ def _attention_backward(
     droot = root.new_empty(root.shape)
     dc = bias.new_empty(s["batch"], *bias.shape) if needs_c else droot  # (not read without NEED_DC)
     nprf_query_states_kernel[s["grid"]](
-        query, grad_out, out, denominator, g, delta, projection, root, query_prefix, dc, droot, *query.stride(),
-        *grad_out.stride(), *sizes, log_m_half, NEED_DC=needs_c, **common,
+        phi_q, grad_out, out, denominator, g, delta, query_prefix, dc, droot, *grad_out.stride(), *sizes, log_m_half,
+        NEED_DC=needs_c, **common,
     )
     dq, dk, dv = (torch.empty(t.shape, device=query.device, dtype=t.dtype) for t in (query, key, value))  # (as stored)
-    strides = (*query.stride(), *key.stride(), *value.stride(), stride_mb)
     nprf_query_grad_kernel[grid](
-        query, key, value, projection, mask, root, bias, prefix, g, delta, dq, dc, droot,
-        *strides, *sizes, reach, log_m_half, CAUSAL=causal, HAS_MASK=has_mask, NEED_DC=needs_c,
+        query, value, projection, mask, root, bias, prefix, phi_q, phi_k, g, delta, dq, dc, droot, *query.stride(),
+        *value.stride(), stride_mb, *sizes, reach, log_m_half, CAUSAL=causal, HAS_MASK=has_mask, NEED_DC=needs_c,
         DIAGONALS=DIAGONAL_SUMS and HAS_GATHER, **common,
     )
     nprf_key_grad_kernel[grid](
-        query, key, value, projection, mask, root, bias, query_prefix, g, delta, dk, dv, droot, dc,
-        *strides, *sizes, reach, log_m_half, CAUSAL=causal, HAS_MASK=has_mask, NEED_DC=needs_c and s["batch"] > 1,
-        **common,
+        key, value, projection, mask, root, bias, query_prefix, phi_q, phi_k, g, delta, dk, dv, droot, dc,
+        *key.stride(), *value.stride(), stride_mb, *sizes, reach, log_m_half, CAUSAL=causal, HAS_MASK=has_mask,
+        NEED_DC=needs_c and s["batch"] > 1, **common,
     )
     dbias = dc[0] if needs_c else bias.new_empty(bias.shape)  # (key_grad summed the batch's rows into the first)
     return dq, dk, dv, dbias, droot
@@ -298,8 +303,8 @@ attention_backward = torch.library.custom_op(f"{_LIBRARY}::attention_backward", 
 
 
 @attention_backward.register_fake
-def _(query, key, value, bias, root, projection, key_padding_mask, out, denominator, prefix, grad_out, causal, reach,
-      block, num_warps, needs_c):
+def _(query, key, value, bias, root, projection, key_padding_mask, out, denominator, prefix, phi_q, phi_k, grad_out,
+      causal, reach, block, num_warps, needs_c):
     # (contiguous, as the kernels write them, whatever the inputs' strides: a model's q, k, v are transposed views)
     return (*(t.new_empty(t.shape) for t in (query, key, value)), bias.new_empty(bias.shape, dtype=torch.float32),
             root.new_empty(root.shape, dtype=torch.float32))

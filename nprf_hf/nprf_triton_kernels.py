@@ -6,11 +6,13 @@ keys split into the REACH = ceil((W - 1) / BT) key blocks on either side of it (
 c_{j-i} phi_q . phi_k computed exactly, tile by tile, with c read per pair) and every block beyond them (far:
 one constant c per direction, so a linear attention read from prefix sums of per-block states
 S = sum_j phi_k [v, 1]^T: [B*H, NC, BM * (BV + 1)], per block [BM, BV] states then [BM] sums, scanned on the device
-in two levels: prefix sums within splits of blocks by the states kernel, the splits' totals added by `_blocks`). phi is
-computed in the kernels from q, k and the projection and recomputed in backward; no [n, m] feature tensor is stored.
-The backward kernels are in `nprf_triton_backward`. A tile kept across a band loop only as a dot operand is held in
-the dot's 16-bit dtype (`_operand`), and what only the end of a kernel reads is read again there: at 64 rows and 4
-warps every kernel then fits sm_90's 255 registers a thread without spilling (benchmarks/kernel_resources.py).
+in two levels: prefix sums within splits of blocks by the states kernel, the splits' totals added by `_blocks`).
+phi is computed once per token: phi_k (padded keys zeroed) by the states kernel, phi_q by the forward kernel, each
+stored [B, H, N, M] in the dots' dtype (`nprf_triton._features`); the band tiles, forward and backward, load
+them (a key's features were recomputed by every band tile that read it, about 20 times a token in all). The backward
+kernels are in `nprf_triton_backward`. A tile kept across a band loop only as a dot operand is held in the dot's
+16-bit dtype (`_operand`), and what only the end of a kernel reads is read again there: at 64 rows and 4 warps every
+kernel then fits sm_90's 255 registers a thread without spilling (benchmarks/kernel_resources.py).
 """
 
 try:
@@ -56,17 +58,39 @@ def _load_rows(ptr, rows, n, cols, width, stride_n, stride_d):
 
 
 @triton.jit
+def _normalized(x, root, EPS: tl.constexpr):
+    """(y = root x / max(|x|, EPS) for x [BT, BD], x's inverse norm times root)."""
+    inverse = root / tl.maximum(tl.sqrt(tl.sum(x * x, axis=1)), EPS)
+    return x * inverse[:, None], inverse
+
+
+@triton.jit
 def _features(x, w, root, m, log_m_half, EPS: tl.constexpr, HALF: tl.constexpr):
     """phi(y) = exp(W y - |y|^2 / 2) / sqrt(m) of y = root x / max(|x|, EPS) for x [BT, BD], w [BM, BD];
     returns (phi [BT, BM] with the columns >= m zeroed, y, x's inverse norm)."""
-    norm = tl.sqrt(tl.sum(x * x, axis=1))
-    inverse = root / tl.maximum(norm, EPS)
-    y = x * inverse[:, None]
+    y, inverse = _normalized(x, root, EPS)
     shift = 0.5 * tl.sum(y * y, axis=1) + log_m_half
     wy = _dot(y, tl.trans(w), HALF)
     features = tl.arange(0, w.shape[0])
     phi = tl.where(features[None, :] < m, tl.exp(wy - shift[:, None]), 0.0)
     return phi, y, inverse
+
+
+@triton.jit
+def _load_features(F, bh, rows, N, M, HALF: tl.constexpr, BM: tl.constexpr):
+    """Rows of sequence bh's stored features F [B*H, N, M] as a dot operand [BT, BM] (`_operand`), zeros outside."""
+    cols = tl.arange(0, BM)
+    tile = tl.load(F + (bh * N + rows[:, None]) * M + cols[None, :], mask=(rows[:, None] < N) & (cols[None, :] < M),
+                   other=0.0)
+    return _operand(tile, HALF)
+
+
+@triton.jit
+def _store_features(F, bh, rows, phi, N, M, BM: tl.constexpr):
+    """phi [BT, BM] into rows of F [B*H, N, M] in F's dtype (the columns < M, the rows < N)."""
+    cols = tl.arange(0, BM)
+    tl.store(F + (bh * N + rows[:, None]) * M + cols[None, :], phi.to(F.dtype.element_ty),
+             mask=(rows[:, None] < N) & (cols[None, :] < M))
 
 
 @triton.jit
@@ -142,25 +166,25 @@ def _bias_shift(BIAS_ROW, N, REACH, BT: tl.constexpr):
 
 
 @triton.jit
-def _band_tile(K, V, C, shift, MASK, b, h, rows_q, key_block, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb,
-               stride_vh, stride_vn, stride_vd, stride_mb, w, root, N, D, DV, M, log_m_half, CAUSAL: tl.constexpr,
-               HAS_MASK: tl.constexpr, EPS: tl.constexpr, HALF: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-               BV: tl.constexpr):
-    """One key block of a query block's band: (phi_k [BT, BM], v [BT, BV] as dot operands, c_{j-i} [BT q, BT k] (from
-    the bias C and its `_bias_shift`) with zeros where a key is padded, past the end or (causal) after the query,
-    and that mask)."""
+def _band_tile(FK, V, C, shift, MASK, b, h, bh, rows_q, key_block, stride_vb, stride_vh, stride_vn, stride_vd,
+               stride_mb, N, DV, M, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, HALF: tl.constexpr,
+               BT: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr):
+    """One key block of a query block's band: (phi_k [BT, BM] (stored, padded keys zero) and v [BT, BV] as dot
+    operands, c_{j-i} [BT q, BT k] (from the bias C and its `_bias_shift`) with zeros past the end, (causal) after
+    the query and, with HAS_MASK, where a key is padded (only where the mask saves work: the per-pair atomics), and
+    that mask)."""
     rows_k = key_block * BT + tl.arange(0, BT)
-    k = _load_rows(K + b * stride_kb + h * stride_kh, rows_k, N, tl.arange(0, BD), D, stride_kn, stride_kd)
-    phi_k, _, _ = _features(k, w, root, M, log_m_half, EPS, HALF)
+    phi_k = _load_features(FK, bh, rows_k, N, M, HALF, BM)
     v = _load_rows(V + b * stride_vb + h * stride_vh, rows_k, N, tl.arange(0, BV), DV, stride_vn, stride_vd)
     relative = rows_k[None, :] - rows_q[:, None]
-    valid = (rows_q[:, None] < N) & (rows_k[None, :] < N)
+    if CAUSAL:  # (keys up to a query inside the sequence are inside it)
+        valid = (rows_q[:, None] < N) & (relative <= 0)
+    else:
+        valid = (rows_q[:, None] < N) & (rows_k[None, :] < N)
     if HAS_MASK:
         valid = valid & (tl.load(MASK + b * stride_mb + rows_k, mask=rows_k < N, other=0) != 0)[None, :]
-    if CAUSAL:
-        valid = valid & (relative <= 0)
     c = tl.exp(tl.load(C + h * (2 * N - 1) + relative + N - 1, mask=valid, other=float("-inf")) - shift)
-    return _operand(phi_k, HALF), _operand(v, HALF), c, relative, valid
+    return phi_k, _operand(v, HALF), c, relative, valid
 
 
 @triton.jit
@@ -180,14 +204,15 @@ def _key_block(K, V, MASK, b, h, rows, stride_kb, stride_kh, stride_kn, stride_k
 
 @triton.jit
 def nprf_key_states_kernel(
-    K, V, W, MASK, ROOT, S,
+    K, V, W, MASK, ROOT, S, FK,
     stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, stride_mb,
     H, N, D, DV, M, NC, SPLIT, log_m_half,
     HAS_MASK: tl.constexpr, W_PER_HEAD: tl.constexpr, EPS: tl.constexpr, HALF: tl.constexpr,
     BT: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr,
 ):
-    """Per split of SPLIT key blocks, in order: each block's S = [phi_k^T v [BM, BV] | sum_j phi_k [BM]] (padded keys
-    count in neither) summed since the split's start (the first level of the scan that `_blocks` completes)."""
+    """Per split of SPLIT key blocks, in order: each block's phi_k (padded keys zero) stored to FK [B, H, N, M] (what
+    every band tile reads), and its S = [phi_k^T v [BM, BV] | sum_j phi_k [BM]] summed since the split's start (the
+    first level of the scan that `_blocks` completes)."""
     split, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     w, root = _projection(W, ROOT, h, M, D, W_PER_HEAD, BM, BD, HALF)
@@ -197,6 +222,7 @@ def nprf_key_states_kernel(
         phi, _, _, v, _ = _key_block(K, V, MASK, b, h, rows, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb,
                                      stride_vh, stride_vn, stride_vd, stride_mb, w, root, N, D, DV, M, log_m_half,
                                      HAS_MASK, EPS, HALF, BD, BV)
+        _store_features(FK, bh, rows, phi, N, M, BM)
         states += _dot(tl.trans(phi), v, HALF)
         sums += tl.sum(phi, axis=0)
         _store_block(S, bh, block, NC, states, sums, BM, BV)
@@ -204,14 +230,14 @@ def nprf_key_states_kernel(
 
 @triton.jit
 def nprf_forward_kernel(
-    Q, K, V, W, MASK, ROOT, C, P, O, DEN,
-    stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd, stride_mb,
+    Q, V, W, ROOT, C, P, FK, FQ, O, DEN,
+    stride_qb, stride_qh, stride_qn, stride_qd, stride_vb, stride_vh, stride_vn, stride_vd,
     H, N, D, DV, M, NC, SPLIT, REACH, log_m_half,
-    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, W_PER_HEAD: tl.constexpr, EPS: tl.constexpr, HALF: tl.constexpr,
+    CAUSAL: tl.constexpr, W_PER_HEAD: tl.constexpr, EPS: tl.constexpr, HALF: tl.constexpr,
     BT: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr,
 ):
-    """Per query block: z = (far states + band tiles) / their denominator; O [B, H, N, DV], DEN [B, H, N]."""
+    """Per query block: phi_q, stored to FQ [B, H, N, M] for backward, and z = (far states + band tiles of the
+    stored key features FK) / their denominator; O [B, H, N, DV], DEN [B, H, N]."""
     block, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     rows_q = block * BT + tl.arange(0, BT)
@@ -219,6 +245,7 @@ def nprf_forward_kernel(
     w, root = _projection(W, ROOT, h, M, D, W_PER_HEAD, BM, BD, HALF)
     q = _load_rows(Q + b * stride_qb + h * stride_qh, rows_q, N, cols_d, D, stride_qn, stride_qd)
     phi_q, _, _ = _features(q, w, root, M, log_m_half, EPS, HALF)
+    _store_features(FQ, bh, rows_q, phi_q, N, M, BM)
     c_row = C + h * (2 * N - 1)
     shift = _bias_shift(c_row, N, REACH, BT)
     lo = tl.maximum(block - REACH, 0)
@@ -237,10 +264,10 @@ def nprf_forward_kernel(
         denominator += c_after * tl.sum(phi_q * after_sum[None, :], axis=1)
     phi_q = _operand(phi_q, HALF)
     for key_block in range(lo, hi + 1):
-        phi_k, v, c, relative, valid = _band_tile(
-            K, V, C, shift, MASK, b, h, rows_q, key_block, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb,
-            stride_vh, stride_vn, stride_vd, stride_mb, w, root, N, D, DV, M, log_m_half, CAUSAL, HAS_MASK, EPS, HALF,
-            BT, BD, BV)
+        # (padded keys' stored features are zero: their weights are, without the mask read here)
+        phi_k, v, c, relative, valid = _band_tile(FK, V, C, shift, C, b, h, bh, rows_q, key_block, stride_vb,
+                                                  stride_vh, stride_vn, stride_vd, 0, N, DV, M, CAUSAL, False, HALF,
+                                                  BT, BV, BM)
         weights = _dot(phi_q, tl.trans(phi_k), HALF) * c
         numerator += _dot(weights, v, HALF)
         denominator += tl.sum(weights, axis=1)

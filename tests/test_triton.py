@@ -242,6 +242,28 @@ def test_half_precision_inputs():
         assert torch.equal(a, b)
 
 
+def test_the_features_are_computed_once_and_kept_for_backward():
+    """Forward stores phi_q and phi_k [B, H, n, m] (padded keys zero), which every band tile and backward read instead
+    of recomputing them: the PyTorch path's feature map, with the logit scale and a per-head projection; bf16 for
+    half inputs (exp features leave fp16's range)."""
+    from nprf_hf.nprf_features import normalized_features
+
+    generator = torch.Generator().manual_seed(17)
+    n, width = 37, 6
+    q, k, v, table, projection, mask = inputs(2, 2, n, 24, 20, width, generator, per_head=True)
+    q, k, v = (t.detach() for t in (q, k, v))
+    scale = torch.rand(2, generator=generator) + 0.5
+    settings = (tied_table_bias(table, n, width).detach(), scale.sqrt(), projection, mask, False, 1, 16, 4)
+    *_, phi_q, phi_k = nprf_triton._attention_forward(q, k, v, *settings)
+    assert phi_q.shape == phi_k.shape == (2, 2, n, 20) and phi_q.dtype == phi_k.dtype == torch.float32
+    assert relative_error(phi_q, normalized_features(q, projection, scale)) < 1e-6
+    assert relative_error(phi_k, normalized_features(k, projection, scale) * mask[:, None, :, None]) < 1e-6
+    for dtype in (torch.float16, torch.bfloat16):
+        *_, phi_q, phi_k = nprf_triton._attention_forward(q.to(dtype), k.to(dtype), v.to(dtype), *settings)
+        assert phi_q.dtype == phi_k.dtype == torch.bfloat16
+        assert relative_error(phi_k, normalized_features(k.to(dtype), projection, scale) * mask[:, None, :, None]) < 2e-2
+
+
 def test_strided_grads_and_masks_of_any_dtype_are_read_as_they_are():
     """A transposed grad_out (as a model's) and a key padding mask in bool, int8 or float 0/1 (the kernels read the
     first two as they are and convert the third) give the gradients of a contiguous grad_out and an int64 mask."""
