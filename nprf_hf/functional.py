@@ -230,8 +230,8 @@ def _nprf_attention(call, route):
     )
     if near and near_field is None:  # the band's pairs: the exact kernel in place of the estimate
         u = values_and_ones(value, threads=threads) if u is None else u
-        out = out + near_field_correction(query, key, phi_q, phi_k, u, c, near_width, causal, mask, logit_scale, terms,
-                                          shift, dtype)
+        near_field = near_field_inputs(query, key, mask, logit_scale, near_width, dtype)
+        out = out + near_field_correction(near_field, phi_q, phi_k, u, c, causal, terms, shift, dtype)
     in_place = not (torch.is_grad_enabled() and out.requires_grad)  # inference: no new [B, H, n, d_v] tensor
     return normalize_attention(out[..., :-1], out[..., -1:], valid, in_place).to(query.dtype)
 

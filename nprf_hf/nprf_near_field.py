@@ -76,21 +76,23 @@ def near_field_chunk(width):
     return max(16, -(-width // 2))
 
 
-def near_field_correction(query, key, phi_q, phi_k, u, c, width, causal, mask, logit_scale, terms, shift, dtype):
-    """sum over keys j with |j - i| < `width` (and j <= i when causal, j kept) of P_ij (exp(s q_hat_i . k_hat_j)
+def near_field_correction(near, phi_q, phi_k, u, c, causal, terms, shift, dtype):
+    """sum over keys j with |j - i| < `near.width` (and j <= i when causal, j kept) of P_ij (exp(s q_hat_i . k_hat_j)
     - phi_q_i . phi_k_j) u_j: [B, H, n, e], what turns the NPRF product's sums into the near field's.
 
-    query, key [B, H, n, d]; phi_q, phi_k [B, H, n, m] (padded keys zeroed, no term applied); u [B, H, n, e];
-    c [H, 2n - 1] the Toeplitz coefficients (0 for the future when causal); mask [B, n] float or None; logit_scale
-    [H] or None; terms: `nprf_terms.AttentionTerms` (their pair weights on the window layout, `terms.weights`);
-    shift [H]: the shift of c, as for the product."""
-    batch, heads, n, _ = query.shape
+    near: the `NearField` of the call (`near_field_inputs`: unit vectors sqrt(s) x / |x| [B, H, n, d] in `dtype`,
+    width, float key mask [B, n] or None); phi_q, phi_k [B, H, n, m] (padded keys zeroed, no term applied); u
+    [B, H, n, e]; c [H, 2n - 1] the Toeplitz coefficients (0 for the future when causal); terms:
+    `nprf_terms.AttentionTerms` (their pair weights on the window layout, `terms.weights`); shift [H]: the shift of
+    c, as for the product."""
+    batch, heads, n, _ = near.query.shape
+    width, mask = near.width, near.key_mask
     chunk = near_field_chunk(width)
     chunks = -(-n // chunk)
     before, after = width - 1, 0 if causal else width - 1
     window = chunk + before + after
     keys_padded = chunks * chunk + before + after  # key rows: `before` in front, then n, then the rest
-    device = query.device
+    device = near.query.device
 
     def windows(x):  # [B, H, n, f] -> [B, H, chunks, window, f]: chunk t's keys start at row t * chunk
         padded = x.new_zeros(batch, heads, keys_padded, x.shape[-1])
@@ -110,8 +112,7 @@ def near_field_correction(query, key, phi_q, phi_k, u, c, width, causal, mask, l
     inside = (distance.abs() < width) & (key_positions >= 0) & (key_positions < n) & (query_positions < n)
     if causal:
         inside = inside & (distance <= 0)
-    q, k = scaled_unit(query.to(dtype), logit_scale), scaled_unit(key.to(dtype), logit_scale)
-    exact = torch.exp(queries(q) @ windows(k).transpose(-1, -2))
+    exact = torch.exp(queries(near.query) @ windows(near.key).transpose(-1, -2))
     estimate = queries(phi_q) @ windows(phi_k).transpose(-1, -2)
     keep = inside.to(dtype)[None, None]
     if mask is not None:
