@@ -138,10 +138,11 @@ def nprf_attention(
     # come back in half precision and the in-place products would mix dtypes.
     with torch.autocast(query.device.type, enabled=False):
         terms = _terms(terms, logit_scale, segment_ids, segment_bias, token_ids, match_weight, num_segments)
-        return _attention(
-            query, key, value, rpe_bias, projection, key_padding_mask, algorithm, causal, band_width, terms, recompute,
-            variant, near_field_width, ROUTING if routing is None else routing,
-        )
+        # (its biases are set once the inputs are checked: `_attention`)
+        call = AttentionCall(query, key, value, rpe_bias, None, projection, key_padding_mask, terms, causal, variant,
+                             band_width, recompute, near_field_width=near_field_width,
+                             routing=ROUTING if routing is None else routing)
+        return _attention(call, algorithm)
 
 
 def _terms(terms, logit_scale, segment_ids, segment_bias, token_ids, match_weight, num_segments):
@@ -155,19 +156,18 @@ def _terms(terms, logit_scale, segment_ids, segment_bias, token_ids, match_weigh
     return terms
 
 
-def _attention(query, key, value, rpe_bias, projection, key_padding_mask, algorithm, causal, band_width, terms, recompute,
-               variant, near_field_width=None, routing=ROUTING):
-    """`nprf_attention` (its arguments, the terms as one object), autocast off."""
-    batch, heads, n, head_dim = _check_inputs(query, key, value, rpe_bias, projection, key_padding_mask, algorithm)
-    _check_variant(variant, algorithm, near_field_width)
-    terms.check(batch, heads, n, causal, variant)
+def _attention(call, algorithm):
+    """`nprf_attention` of `call`, its arguments as given (`bias` unset), autocast off."""
+    query = call.query
+    batch, heads, n, _ = _check_inputs(query, call.key, call.value, call.rpe_bias, call.projection,
+                                       call.key_padding_mask, algorithm)
+    _check_variant(call.variant, algorithm, call.near_field_width)
+    call.terms.check(batch, heads, n, call.causal, call.variant)
     dtype = compute_dtype(query.dtype)
-    threads = threads_for(query.device, routing)
+    threads = threads_for(query.device, call.routing)
     with threads.small():  # [H, 2n - 1] biases: operators too small to split (each split a barrier)
-        rpe_bias = rpe_bias.to(dtype)
-        call = AttentionCall(query, key, value, rpe_bias, masked_bias(rpe_bias, n, causal), projection,
-                             key_padding_mask, terms, causal, variant, band_width, recompute,
-                             near_field_width=near_field_width, routing=routing, threads=threads)
+        rpe_bias = call.rpe_bias.to(dtype)
+        call = call._replace(rpe_bias=rpe_bias, bias=masked_bias(rpe_bias, n, call.causal), threads=threads)
         route = choose_route(call, algorithm)
     # (the CPU's items where the route's row allows: the kernels and the n x n weights run whole)
     return attention_in_items(call, route, _run) if toeplitz_product(route, True).items else _run(call, route)

@@ -147,7 +147,7 @@ class AttentionCall(NamedTuple):
     key: torch.Tensor
     value: torch.Tensor
     rpe_bias: torch.Tensor  # [H, 2n - 1], unmasked
-    bias: torch.Tensor  # rpe_bias with -inf for the future when causal
+    bias: Optional[torch.Tensor]  # rpe_bias with -inf for the future when causal (None until checked: functional)
     projection: torch.Tensor
     key_padding_mask: Optional[torch.Tensor]
     terms: object  # `nprf_terms.AttentionTerms`
