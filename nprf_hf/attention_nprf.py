@@ -30,7 +30,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers.cache_utils import EncoderDecoderCache
 
-from .cache_nprf import find_nprf_cache
+from .cache_nprf import CausalBuckets, find_nprf_cache
 from .families import ATTENTION_LAYOUTS, family_of
 from .functional import (
     draw_projection,
@@ -582,11 +582,8 @@ class NPRFSelfAttention(nn.Module):
             key,
             value,
             self._cache_padding_mask(cache, attention_mask, query),
-            table,
+            CausalBuckets(table, self.band_width, self.config.rpe_num_buckets, self.config.rpe_max_distance),
             self.projection,
-            self.band_width,
-            num_buckets=self.config.rpe_num_buckets,
-            max_distance=self.config.rpe_max_distance,
             algorithm=self.config.attention_algorithm,
             variant=self.config.attention_variant,
             terms=self.attention_terms(),

@@ -14,8 +14,8 @@ from .functional import nprf_attention, nprf_attention_weights
 from .nprf_cpu_threads import ThreadChoice, threads_for
 from .nprf_positions import relative_position_bias
 from .nprf_recurrent import (  # noqa: F401  (DECODE_BLOCK, recurrent_attention: public here as before)
-    DECODE_BLOCK, causal_distance_bias, key_features_and_values, recurrent_attention, recurrent_state_from_prefill,
-    recurrent_step,
+    DECODE_BLOCK, CausalBuckets, causal_distance_bias, key_features_and_values, recurrent_attention,
+    recurrent_state_from_prefill, recurrent_step,
 )
 from .nprf_terms import AttentionTerms
 from .options import KEY_VALUE_CACHE_VARIANTS
@@ -177,8 +177,8 @@ class NPRFStaticCacheLayer(NPRFCacheLayer):
         kept = () if self.keys is None else ("keys", "values", "key_mask")
         return super()._tensors() + kept
 
-    def kept_key_weights(self, layer_idx, query, key, value, new_mask, rpe_table, projection, num_buckets,
-                         max_distance, variant, terms, output_attentions):
+    def kept_key_weights(self, layer_idx, query, key, value, new_mask, buckets, projection, variant, terms,
+                         output_attentions):
         """Write the new keys, values and padding at their positions of [B, H, max_cache_len, d] buffers (allocated
         at the first call) and return the new queries' weights over every kept position, [B, H, L, max_cache_len],
         from the dense weights of the whole static length (None without output_attentions)."""
@@ -202,7 +202,8 @@ class NPRFStaticCacheLayer(NPRFCacheLayer):
         if not output_attentions:
             return None
         full = query.new_zeros(*query.shape[:2], self.max_cache_len, query.shape[-1]).index_copy(2, positions, query)
-        bias = relative_position_bias(rpe_table, self.max_cache_len, False, num_buckets, max_distance)
+        bias = relative_position_bias(buckets.table, self.max_cache_len, False, buckets.num_buckets,
+                                      buckets.max_distance)
         weights = nprf_attention_weights(full, self.keys, bias, projection, key_padding_mask=self.key_mask,
                                          causal=True, variant=variant, terms=terms)
         return weights.index_select(2, positions).to(query.dtype)
@@ -269,14 +270,14 @@ class NPRFCacheMixin:
         """Bytes of layer `layer_idx`'s state."""
         return self.layer(layer_idx).nbytes
 
-    def attend(self, layer_idx, query, key, value, key_padding_mask, rpe_table, projection, band_width, num_buckets=32,
-               max_distance=128, algorithm="auto", variant="nprf", terms=None, output_attentions=False, routing=None):
+    def attend(self, layer_idx, query, key, value, key_padding_mask, buckets, projection, algorithm="auto",
+               variant="nprf", terms=None, output_attentions=False, routing=None):
         """Causal NPRF attention of the new tokens (query, key, value [B, H, L, d]) to everything the layer has seen,
         advancing its state: the prompt through `nprf_attention(algorithm=...)`, later tokens through the state.
         key_padding_mask: None or bool, True = keep, [B, past + L] (as generate() passes it; the past must agree with
-        what the cache saw) or [B, L] (a compiled step's one shape). rpe_table: [H, num_buckets], unidirectional;
-        projection: [H, m, d] or [m, d]; band_width: its W (`rpe_band_width(..., bidirectional=False)`); terms:
-        feature terms only (`nprf_terms.AttentionTerms`); variant: one whose kernel factors into features. Returns
+        what the cache saw) or [B, L] (a compiled step's one shape). buckets: the layer's `CausalBuckets` (its
+        unidirectional [H, num_buckets] table and band width W); projection: [H, m, d] or [m, d]; terms: feature
+        terms only (`nprf_terms.AttentionTerms`); variant: one whose kernel factors into features. Returns
         [B, H, L, d], and with output_attentions the weights [B, H, L, max_cache_len] (zero past the tokens seen) from
         the keys an NPRFStaticCache with `max_cache_len` keeps (a ValueError for a cache that keeps none)."""
         terms = AttentionTerms() if terms is None else terms
@@ -294,18 +295,20 @@ class NPRFCacheMixin:
         if hasattr(self, "thread_choice"):  # and the model's next decode steps' (a cache pickled before has none)
             self.thread_choice.enabled = routing is None or routing.cpu_threads
         if prefill:  # the fast exact algorithms over the prompt, then the state from its keys
-            bias = relative_position_bias(rpe_table, length, False, num_buckets, max_distance, threads)
+            bias = relative_position_bias(buckets.table, length, False, buckets.num_buckets, buckets.max_distance,
+                                          threads)
             out = nprf_attention(query, key, value, bias, projection, key_padding_mask=mask, algorithm=algorithm,
-                                 causal=True, band_width=band_width, variant=variant, terms=terms, routing=routing)
+                                 causal=True, band_width=buckets.band_width, variant=variant, terms=terms,
+                                 routing=routing)
             phi_k, u = key_features_and_values(key, value, new_mask, projection, variant, terms.logit_scale, threads)
-            state = recurrent_state_from_prefill(phi_k, u, band_width)
+            state = recurrent_state_from_prefill(phi_k, u, buckets.band_width)
         else:
             state = (layer.far_states, layer.ring_features, layer.ring_values)
-            out, state = recurrent_step(query, key, value, new_mask, state, rpe_table, projection, band_width,
-                                        num_buckets, max_distance, algorithm, variant, terms, routing, threads)
+            out, state = recurrent_step(query, key, value, new_mask, state, buckets, projection, algorithm, variant,
+                                        terms, routing, threads)
         if output_attentions or layer.max_cache_len is not None:
-            weights = layer.kept_key_weights(layer_idx, query, key, value, new_mask, rpe_table, projection,
-                                             num_buckets, max_distance, variant, terms, output_attentions)
+            weights = layer.kept_key_weights(layer_idx, query, key, value, new_mask, buckets, projection, variant,
+                                             terms, output_attentions)
         real = torch.full((batch,), length, device=query.device) if new_mask is None else new_mask.sum(-1)
         layer.store(*state, real, length)
         if not torch.compiler.is_compiling():  # storage ids cannot be traced; generate() keeps the projection anyway

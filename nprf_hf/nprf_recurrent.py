@@ -20,6 +20,8 @@ no sum). A step of one new token runs as one fused kernel per layer where `nprf_
 kernels (`nprf_triton.triton_decode_step`), and as the PyTorch product below otherwise.
 """
 
+from typing import NamedTuple
+
 import torch
 
 from .nprf_dispatch import ROUTING, StepCall, choose_route, run_step
@@ -31,6 +33,16 @@ from .nprf_schedule import SERIAL
 # New tokens of one forward call are attended in blocks of at most this many queries: the dense
 # [block, W - 1 + block] weights of a block stay small, and the cost stays linear in the block count.
 DECODE_BLOCK = 128
+
+
+class CausalBuckets(NamedTuple):
+    """A decoder's unidirectional T5 bias: the bucket table [H, num_buckets] of distances up to max_distance, and W
+    (`rpe_band_width(num_buckets, max_distance, bidirectional=False)`), from which the bias is constant."""
+
+    table: torch.Tensor
+    band_width: int
+    num_buckets: int = 32
+    max_distance: int = 128
 
 
 def causal_distance_bias(table, band_width, num_buckets=32, max_distance=128):
@@ -107,16 +119,16 @@ def key_features_and_values(key, value, new_mask, projection, variant, logit_sca
     return phi_k, values_and_ones(value.to(dtype), threads=threads)
 
 
-def recurrent_step(query, key, value, new_mask, state, table, projection, band_width, num_buckets, max_distance,
-                   algorithm, variant, terms, routing=None, threads=SERIAL):
+def recurrent_step(query, key, value, new_mask, state, buckets, projection, algorithm, variant, terms, routing=None,
+                   threads=SERIAL):
     """Attend L new tokens to the state of the keys before them: (out [B, H, L, d], the state after them).
 
     query, key, value [B, H, L, d]; new_mask None or bool [B, L] of the new tokens; state (far_states,
-    ring_features, ring_values); table [H, num_buckets] unidirectional bucket table; terms: feature terms only;
-    routing: `nprf_dispatch.Routing` (None: ROUTING); threads: the `nprf_schedule` scheduler (the cache's). What runs
-    (one token on the fused kernel, or the PyTorch step) is `nprf_dispatch.choose_route`'s decision."""
+    ring_features, ring_values); buckets: the `CausalBuckets` of the bias; terms: feature terms only; routing:
+    `nprf_dispatch.Routing` (None: ROUTING); threads: the `nprf_schedule` scheduler (the cache's). What runs (one
+    token on the fused kernel, or the PyTorch step) is `nprf_dispatch.choose_route`'s decision."""
     dtype = compute_dtype(query.dtype)
-    c, _ = toeplitz_coefficients(causal_distance_bias(table, band_width, num_buckets, max_distance).to(dtype))
+    c, _ = toeplitz_coefficients(causal_distance_bias(*buckets).to(dtype))
     step = StepCall(query, key, value, new_mask, tuple(state), c, projection, terms, variant, routing or ROUTING,
                     threads)
     return run_step(step, choose_route(step, algorithm), _pytorch_step)

@@ -191,7 +191,8 @@ def test_a_small_decode_step_runs_on_one_thread(two_threads, monkeypatch, limit)
     projection = Fn.draw_projection(m, d, "orf", num_heads=heads, generator=generator)
     table = torch.randn(heads, BUCKETS, generator=generator)
     from nprf_hf.nprf_terms import AttentionTerms
-    out, _ = nprf_recurrent.recurrent_step(query, key, value, None, state, table, projection, band, BUCKETS, DISTANCE,
+    out, _ = nprf_recurrent.recurrent_step(query, key, value, None, state,
+                                           nprf_recurrent.CausalBuckets(table, band, BUCKETS, DISTANCE), projection,
                                            "auto", "nprf", AttentionTerms(), threads=threads)
     assert seen == [1 if limit else 2] and torch.get_num_threads() == 2 and torch.isfinite(out).all()
 

@@ -593,8 +593,9 @@ def test_compiled_auto_runs_the_kernels_in_a_model(monkeypatch):
     new_mask = torch.tensor([[True], [False]])
 
     def step(algorithm):
-        return nprf_recurrent.recurrent_step(*token, new_mask, state, table, projection, 6, 8, 16, algorithm, "nprf",
-                                             terms, routing)
+        buckets = nprf_recurrent.CausalBuckets(table, 6, 8, 16)
+        return nprf_recurrent.recurrent_step(*token, new_mask, state, buckets, projection, algorithm, "nprf", terms,
+                                             routing)
 
     backend = AotEagerAndRecordGraphs()
     with torch.no_grad():
@@ -629,7 +630,8 @@ def test_a_decode_step_falls_back_when_the_kernel_fails(monkeypatch, caplog):
     monkeypatch.setattr(nprf_dispatch, "triton_decode_step", broken)
 
     def step(algorithm):
-        return nprf_recurrent.recurrent_step(*token, None, state, table, projection, 6, 8, 16, algorithm, "nprf",
+        buckets = nprf_recurrent.CausalBuckets(table, 6, 8, 16)
+        return nprf_recurrent.recurrent_step(*token, None, state, buckets, projection, algorithm, "nprf",
                                              AttentionTerms(), routing)
 
     with torch.no_grad():
