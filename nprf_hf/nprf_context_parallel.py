@@ -22,6 +22,7 @@ it in; nothing here keeps state.
 """
 
 import bisect
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,27 @@ from .options import ATTENTION_VARIANTS, KEY_VALUE_CACHE_VARIANTS
 # The variants whose kernel factors into features (the quadratic ones build n x n weights: nothing to shard).
 # (The exact near field's band is not sharded yet: the halo carries its keys, but the correction does not run here.)
 FEATURE_VARIANTS = tuple(v for v in ATTENTION_VARIANTS if v not in KEY_VALUE_CACHE_VARIANTS)
+
+
+class FeatureMap(NamedTuple):
+    """phi of a variant (`nprf_features.variant_features`): its projection [m, d] or [H, m, d] and logit scale s [H]
+    (None: 1), which every rank applies to its own keys and to the halo's."""
+
+    projection: torch.Tensor
+    variant: str
+    logit_scale: Optional[torch.Tensor] = None
+
+    def __call__(self, x):
+        return variant_features(x, self.projection, self.variant, self.logit_scale)
+
+
+class Halo(NamedTuple):
+    """One side's halo, read from its owners' edges: keys [B, H, G, d], values [B, H, G, d_v], keep flags
+    [B, 1, G, 1] (0 for a padded key)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    keep: torch.Tensor
 
 
 class _AllGather(torch.autograd.Function):
@@ -141,7 +163,6 @@ def context_parallel_attention(
     causal=False,
     variant="nprf",
     terms=None,
-    logit_scale=None,
     group=None,
     recompute=None,
 ):
@@ -152,7 +173,7 @@ def context_parallel_attention(
         rpe_bias: [H, 2K - 1] (entry r + K - 1 holds b_r), constant beyond `band_width` (W); K >= W + 1, e.g.
             `relative_position_bias(table, W + 1, ...)`, or the one-process bias [H, 2N - 1].
         projection: [m, d] or [H, m, d]. key_padding_mask: [B, n_p] (True / 1 = keep) of this shard.
-        terms: None or an `nprf_terms.AttentionTerms` holding the logit scale only (or `logit_scale` [H]).
+        terms: None or an `nprf_terms.AttentionTerms` holding the logit scale only.
         group: the process group (None: the default one).
         recompute: under autograd, keep only the inputs of the shard's products and recompute them in backward
             (None: when the shard's features take RECOMPUTE_MIN_BYTES), as `nprf_attention`'s.
@@ -160,11 +181,12 @@ def context_parallel_attention(
         [B, H, n_p, d_v], this shard's rows of the one-process output.
     """
     group = dist.group.WORLD if group is None else group
+    logit_scale = None
     if terms is not None:
         for term in terms.terms:
             if term.name != "logit_scale":
                 raise NotImplementedError(f"context-parallel attention does not support the {term.name} term yet")
-        logit_scale = terms.logit_scale if logit_scale is None else logit_scale
+        logit_scale = terms.logit_scale
     if variant not in FEATURE_VARIANTS:
         raise NotImplementedError(f"context-parallel attention runs the feature variants {FEATURE_VARIANTS}, "
                                   f"not {variant!r} (the quadratic variants' n x n weights do not shard; the exact "
@@ -173,24 +195,24 @@ def context_parallel_attention(
         raise ValueError(f"query, key and value must be [B, H, n, d], got {tuple(query.shape)}, {tuple(key.shape)} "
                          f"and {tuple(value.shape)}")
     with torch.autocast(query.device.type, enabled=False):
-        out = sharded_attention(query, key, value, rpe_bias, band_width, projection, key_padding_mask, causal, variant,
-                                logit_scale, dist.get_rank(group), group, recompute)
+        out = sharded_attention(query, key, value, rpe_bias, band_width, FeatureMap(projection, variant, logit_scale),
+                                key_padding_mask, causal, dist.get_rank(group), group, recompute)
     return out.to(query.dtype)
 
 
-def sharded_attention(query, key, value, rpe_bias, band_width, projection, key_padding_mask, causal, variant,
-                      logit_scale, rank, group, recompute=None):
-    """`context_parallel_attention` of rank `rank`, autocast off."""
+def sharded_attention(query, key, value, rpe_bias, band_width, features, key_padding_mask, causal, rank, group,
+                      recompute=None):
+    """`context_parallel_attention` of rank `rank`, autocast off; features: the `FeatureMap` phi."""
     halo = band_width - 1
     dtype = compute_dtype(query.dtype)
     mask = None if key_padding_mask is None else key_padding_mask.to(device=query.device, dtype=dtype)
     key, value = key.to(dtype), value.to(dtype)
     batch, heads, n, d = value.shape
-    run = _stage_runner(query, key, value, rpe_bias, projection, logit_scale, recompute)
+    run = _stage_runner(query, key, value, rpe_bias, features, recompute)
 
     # One all-gather: the shard's length, its sum phi_k^T [v | 1] and its edge keys, values and flags (last W - 1,
     # and first W - 1 unless causal: sizes that do not depend on the shards' lengths, read from the same gather).
-    state = run(_shard_state, key, value, mask, projection, logit_scale, variant)  # [B, H, m, e]
+    state = run(_shard_state, key, value, mask, features)  # [B, H, m, e]
     keep = value.new_ones(batch, 1, n, 1) if mask is None else mask[:, None, :, None]
     sides = ("left",) if causal else ("left", "right")
     edges = [key, value, keep]
@@ -206,56 +228,57 @@ def sharded_attention(query, key, value, rpe_bias, band_width, projection, key_p
     world = gathered.shape[0]
     states = pieces[1].view(world, *state.shape)
     pieces = pieces[1:]
-    halos = {"right": tuple(x.new_zeros(batch, x.shape[1], 0, x.shape[-1]) for x in edges)}
+    halos = {"right": Halo(*(x.new_zeros(batch, x.shape[1], 0, x.shape[-1]) for x in edges))}
     for index, side in enumerate(sides):
         owners, rows = halo_index(bounds, rank, halo, side)
         owners, rows = (torch.tensor(x, dtype=torch.long, device=query.device) for x in (owners, rows))
-        halos[side] = tuple(  # [B, H or 1, G, f]: the halo's rows, from their owners' edges
+        halos[side] = Halo(*(  # [B, H or 1, G, f]: the halo's rows, from their owners' edges
             piece.view(world, x.shape[0], x.shape[1], halo, x.shape[-1])[owners, :, :, rows].permute(1, 2, 0, 3)
             for piece, x in zip(pieces[1 + 3 * index : 4 + 3 * index], edges)
-        )
+        ))
     bias = masked_bias(bias.to(dtype), band_width + 1, causal)
     c = torch.exp(bias - bias.amax(-1, keepdim=True).detach())  # [H, 2W + 1]; the far parts share its scale
     after = None if causal else states[rank + 1 :].sum(0)
-    return run(_window_attention, query, key, value, mask, *halos["left"], *halos["right"], states[:rank].sum(0),
-               after, c, projection, logit_scale, variant, causal)
+    return run(_window_attention, query, key, value, mask, halos["left"], halos["right"], states[:rank].sum(0), after,
+               c, features, causal)
 
 
-def _stage_runner(query, key, value, bias, projection, logit_scale, recompute):
+def _stage_runner(query, key, value, bias, features, recompute):
     """How a stage runs: as it is, or (training on long shards) under non-reentrant checkpointing, which keeps only
     its inputs and recomputes its [B, H, n, m] features and products in backward, as `nprf_attention`'s recompute
     does. Only the stages without a collective are checkpointed: a recomputed collective would need every rank
     to recompute in the same order."""
     needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (query, key, value, bias, projection, logit_scale)
+        t is not None and t.requires_grad for t in (query, key, value, bias, features.projection, features.logit_scale)
     )
     if recompute is None:
-        feature_bytes = query.shape[0] * query.shape[1] * query.shape[2] * projection.shape[-2] * value.element_size()
+        feature_bytes = query.shape[0] * query.shape[1] * query.shape[2] * features.projection.shape[-2]
+        feature_bytes *= value.element_size()
         recompute = feature_bytes >= RECOMPUTE_MIN_BYTES
     if not (recompute and needs_grad) or torch.compiler.is_compiling():
         return lambda stage, *inputs: stage(*inputs)
     return lambda stage, *inputs: checkpoint(stage, *inputs, use_reentrant=False, preserve_rng_state=False)
 
 
-def _shard_state(key, value, mask, projection, logit_scale, variant):
+def _shard_state(key, value, mask, features):
     """[B, H, m, e]: sum_j phi_k_j [v_j | 1]^T over the shard's (kept) keys."""
-    phi_k = variant_features(key, projection, variant, logit_scale)
+    phi_k = features(key)
     if mask is not None:
         phi_k = phi_k * mask[:, None, :, None]
     return phi_k.transpose(-1, -2) @ values_and_ones(value)
 
 
-def _window_attention(query, key, value, mask, left_k, left_v, left_keep, right_k, right_v, right_keep, before, after,
-                      c, projection, logit_scale, variant, causal):
+def _window_attention(query, key, value, mask, left, right, before, after, c, features, causal):
     """The shard's output [B, H, n, d_v]: the window [lo - (W - 1), hi + (W - 1)) with its exact coefficients `c`
-    [H, 2W + 1] (halo keys, values, keep flags `left_*` / `right_*` [B, H or 1, G, .]), the keys beyond it through
+    [H, 2W + 1] (the `Halo`s `left`, `right`; the right one empty when causal), the keys beyond it through
     the gathered sums of the shards before / after this one (`before`, `after` [B, H, m, e]; None when causal)
     less the halo's, which the window counts."""
     band_width = (c.shape[-1] - 1) // 2
     dtype = value.dtype
-    phi_q, phi_k = query_key_features(query, key, projection, mask, dtype, logit_scale, variant=variant)
-    left_k, right_k = (variant_features(k, projection, variant, logit_scale) * keep
-                       for k, keep in ((left_k, left_keep), (right_k, right_keep)))
+    phi_q, phi_k = query_key_features(query, key, features.projection, mask, dtype, features.logit_scale,
+                                      variant=features.variant)
+    left_k, right_k = (features(halo.keys) * halo.keep for halo in (left, right))
+    left_v, right_v = left.values, right.values
     batch, heads, n, m = phi_q.shape
     lead, trail = left_k.shape[-2], right_k.shape[-2]
     window = lead + n + trail
