@@ -17,12 +17,35 @@ import math
 import torch
 
 
-def naive_attention_weights(query, key, rpe_bias, projection=None, key_padding_mask=None, causal=False,
-                            logit_scale=None, segment_ids=None, segment_bias=None, token_ids=None, match_weight=None,
-                            variant="nprf", first_key_bias=None, near_field_width=None):
-    """[B, H, n, n] float64 row-normalized weights; arguments as `functional.nprf_attention`."""
+# The optional terms: keywords of `naive_attention_weights` as of `nprf_attention` (first_key_bias: gamma [H])
+TERMS = ("logit_scale", "segment_ids", "segment_bias", "token_ids", "match_weight", "first_key_bias")
+
+
+def naive_attention_weights(query, key, rpe_bias, projection=None, key_padding_mask=None, causal=False, variant="nprf",
+                            near_field_width=None, **terms):
+    """[B, H, n, n] float64 row-normalized weights; arguments as `functional.nprf_attention`, `terms` those of TERMS."""
+    unknown = sorted(set(terms) - set(TERMS))
+    if unknown:
+        raise TypeError(f"naive_attention_weights got unknown terms {unknown}; known: {TERMS}")
     q, k, bias = (t.double() for t in (query, key, rpe_bias))
-    batch, heads, n, d = q.shape
+    batch, heads, n, _ = q.shape
+    kernel = _kernel(q, k, projection, variant, terms.get("logit_scale"), near_field_width)
+    i, j = torch.arange(n, device=q.device)[:, None], torch.arange(n, device=q.device)[None, :]
+    weights = kernel * _position_factor(bias[:, j - i + n - 1].expand(batch, heads, n, n), j, terms)
+    allowed = torch.ones(n, n, dtype=torch.bool, device=q.device)
+    if causal:
+        allowed = j <= i
+    allowed = allowed.expand(batch, 1, n, n)
+    if key_padding_mask is not None:
+        allowed = allowed & key_padding_mask.bool()[:, None, None, :]
+    weights = torch.where(allowed, weights, 0.0)
+    total = weights.sum(-1, keepdim=True)
+    return torch.where(total > 0, weights / torch.where(total > 0, total, 1.0), 0.0)
+
+
+def _kernel(q, k, projection, variant, logit_scale, near_field_width):
+    """kappa(q_i, k_j) of the variant, [B, H, n, n], from q, k [B, H, n, d] in float64."""
+    heads, n, d = q.shape[1:]
     if variant in ("nprf", "nprf_near", "normalized_softmax"):
         q, k = q / q.norm(dim=-1, keepdim=True), k / k.norm(dim=-1, keepdim=True)
         if logit_scale is not None:
@@ -49,27 +72,24 @@ def naive_attention_weights(query, key, rpe_bias, projection=None, key_padding_m
         kernel = torch.exp(q @ k.transpose(-1, -2) / math.sqrt(d))
     else:
         raise ValueError(f"unknown variant {variant!r}")
-    i, j = torch.arange(n, device=q.device)[:, None], torch.arange(n, device=q.device)[None, :]
-    exponent = bias[:, j - i + n - 1].expand(batch, heads, n, n)
+    return kernel
+
+
+def _position_factor(exponent, j, terms):
+    """exp(b_{j-i} + beta [s_i != s_j] + gamma [j = 0]) + mu [t_i = t_j, s_i != s_j], [B, H, n, n], from the
+    relative bias b_{j-i} laid out as the weights (`exponent`), the key positions j [1, n] and the terms (a dict)."""
+    segment_ids, token_ids = terms.get("segment_ids"), terms.get("token_ids")
+    first_key_bias = terms.get("first_key_bias")
     if segment_ids is not None:
         crossing = (segment_ids[:, :, None] != segment_ids[:, None, :])[:, None]
-        exponent = exponent + segment_bias.double()[:, None, None] * crossing
+        exponent = exponent + terms["segment_bias"].double()[:, None, None] * crossing
     if first_key_bias is not None:  # gamma [j = 0]
         exponent = exponent + first_key_bias.double()[:, None, None] * (j == 0)
     position = torch.exp(exponent)
     if token_ids is not None:
         matches = crossing & (token_ids[:, :, None] == token_ids[:, None, :])[:, None]
-        position = position + match_weight.double()[:, None, None] * matches
-    weights = kernel * position
-    allowed = torch.ones(n, n, dtype=torch.bool, device=q.device)
-    if causal:
-        allowed = j <= i
-    allowed = allowed.expand(batch, 1, n, n)
-    if key_padding_mask is not None:
-        allowed = allowed & key_padding_mask.bool()[:, None, None, :]
-    weights = torch.where(allowed, weights, 0.0)
-    total = weights.sum(-1, keepdim=True)
-    return torch.where(total > 0, weights / torch.where(total > 0, total, 1.0), 0.0)
+        position = position + terms["match_weight"].double()[:, None, None] * matches
+    return position
 
 
 def naive_attention(query, key, value, rpe_bias, projection=None, key_padding_mask=None, causal=False, **terms):
