@@ -13,6 +13,7 @@ and its backward then never pass through memory (7-18% of the attention's forwar
 """
 
 import math
+from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -158,7 +159,8 @@ def _dense_forward(phi_q, phi_k, q_near, k_near, width, key_mask, exponential, v
                 divisor.copy_(kept_denominator(weights.sum(-1, keepdim=True)))
                 torch.matmul(weights, value[b, first:last, :length], out=out[b, first:last]).div_(divisor)
             else:
-                out[b, first:last, :, :d] = torch.matmul(weights, value[b, first:last, :length], out=numerator[: last - first])
+                out[b, first:last, :, :d] = torch.matmul(weights, value[b, first:last, :length],
+                                                         out=numerator[: last - first])
                 torch.sum(weights, dim=-1, keepdim=True, out=out[b, first:last, :, d:])
 
     threads.items(batch, sequence_forward)
@@ -202,97 +204,148 @@ class _DenseToeplitzProduct(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        phi_q, phi_k, value, c, q_near, k_near, key_mask, *normalized = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        phi_q, c = saved[0], saved[3]
         batch, heads, n, _ = phi_q.shape
-        d = value.shape[-1]
-        need_q, need_k, need_q_near, need_k_near = ctx.needs_input_grad[:4]
-        need_v, need_c = ctx.needs_input_grad[7:9]
-        toeplitz, near_toeplitz = _near_toeplitz(c, n, ctx.width)
-        near = near_toeplitz is not None
-        inside = band_of(n, ctx.width, c.device) if near else None
-        grad_q_near = torch.zeros_like(q_near) if need_q_near else None
-        grad_k_near = torch.zeros_like(k_near) if need_k_near else None
-        if ctx.normalized:
-            out, divisors = normalized
-            grad_out = grad_out.contiguous()
-        else:
-            grad_numerator = grad_out[..., :d].contiguous()
-            grad_denominator = grad_out[..., d:].contiguous()
-        grad_q = torch.zeros_like(phi_q) if need_q else None
-        grad_k = torch.zeros_like(phi_k) if need_k else None
-        grad_v = torch.zeros_like(value) if need_v else None
+        call = _backward_call(ctx, grad_out, saved)
+        need_c, near = ctx.needs_input_grad[8], call.near_toeplitz is not None
         group = _head_group(heads, n, phi_q.element_size(), 2 + near)
         # per thread, a sequence per thread on the CPU; C's gradient summed per thread, each thread's sequences
         # fixed (`static`), then over the threads in order: the same on every run
-        slots = ctx.threads.slots(batch)
         buffers = [(phi_q.new_empty(group * n * n), phi_q.new_empty(group * n * n),
                     phi_q.new_zeros(heads, n, n) if need_c else None, phi_q.new_empty(group * n * n) if near else None)
-                   for _ in range(slots)]
+                   for _ in range(ctx.threads.slots(batch))]
 
         def sequence_backward(b, slot):
             length = ctx.lengths[b]
-            if length == 0:
+            if length == 0:  # (its gradients stay zero)
                 return
-            products, weights_buffer, grad_toeplitz, exact_buffer = buffers[slot]
             for first in range(0, heads, group):
-                last = min(first + group, heads)
-                heads_ = slice(first, last)
-                q, k, v = phi_q[b, heads_], phi_k[b, heads_, :length], value[b, heads_, :length]
-                if ctx.normalized:  # y = numerator / divisor: dL/dnumerator = g / divisor, dL/ddenominator = -(g/divisor).y
-                    g = grad_out[b, heads_] / divisors[b, heads_]
-                    grad_denominator_ = -(g * out[b, heads_]).sum(-1, keepdim=True)
-                else:
-                    g, grad_denominator_ = grad_numerator[b, heads_], grad_denominator[b, heads_]
-                scale = toeplitz[heads_, :, :length]
-                product = products[: (last - first) * n * length].view(last - first, n, length)
-                grad_weights = weights_buffer[: (last - first) * n * length].view(last - first, n, length)
-                _feature_scores(q, k, ctx.width, product)
-                if ctx.exponential:  # the exact kernel exp(q . k) (zero for padded keys)
-                    product.exp_()
-                    if key_mask is not None:
-                        product.mul_(key_mask[b, :length])
-                if near:  # w = (phi_q . phi_k) C_far + exp(q_near . k_near) C_near
-                    near_scale = near_toeplitz[heads_, :, :length]
-                    exact = exact_buffer[: (last - first) * n * length].view(last - first, n, length)
-                    k_near_ = k_near[b, heads_, :length]
-                    torch.matmul(q_near[b, heads_], k_near_.transpose(-1, -2), out=exact).exp_()
-                    if key_mask is not None:
-                        exact.mul_(key_mask[b, :length])
-                if need_v:  # dL/dv_j = sum_i w_ij dL/dnumerator_i
-                    torch.mul(product, scale, out=grad_weights)
-                    if near:
-                        grad_weights.addcmul_(exact, near_scale)
-                    torch.matmul(grad_weights.transpose(-1, -2), g, out=grad_v[b, heads_, :length])
-                # dL/dw_ij = dL/dnumerator_i . v_j + dL/ddenominator_i
-                torch.baddbmm(grad_denominator_, g, v.transpose(-1, -2), out=grad_weights)
-                if need_c:  # dL/dC_ij = dL/dw_ij (phi_q_i . phi_k_j), or exp(q_near . k_near) in the near field
-                    grad_toeplitz[heads_, :, :length].addcmul_(grad_weights, product)
-                    if near:  # (in the near field: exp(q_near . k_near) instead of phi_q . phi_k)
-                        difference = torch.where(inside[:, :length], exact - product, 0.0)
-                        grad_toeplitz[heads_, :, :length].addcmul_(grad_weights, difference)
-                if near and (need_q_near or need_k_near):  # dL/dlogit = dL/dw exp(logit) C_near
-                    grad_logits = exact.mul_(grad_weights).mul_(near_scale)
-                    if need_q_near:
-                        torch.matmul(grad_logits, k_near_, out=grad_q_near[b, heads_])
-                    if need_k_near:
-                        torch.matmul(grad_logits.transpose(-1, -2), q_near[b, heads_],
-                                     out=grad_k_near[b, heads_, :length])
-                grad_weights.mul_(scale)  # dL/d(phi_q_i . phi_k_j)
-                if ctx.exponential:  # dL/d(q_i . k_j) = dL/dkernel_ij kernel_ij
-                    grad_weights.mul_(product)
-                _feature_grads(grad_weights, q, k, ctx.width, grad_q[b, heads_] if need_q else None,
-                               grad_k[b, heads_, :length] if need_k else None)
+                _head_group_backward(call, buffers[slot], b, slice(first, min(first + group, heads)), length)
 
         ctx.threads.items(batch, sequence_backward, static=True)
-        grad_c = None
-        if need_c:  # C_ij = c_{j-i}: each coefficient gets the sum of its diagonal
-            positions = torch.arange(n, device=c.device)
-            index = (positions[None, :] - positions[:, None] + n - 1).reshape(1, -1).expand(heads, -1)
-            grad_toeplitz = buffers[0][2]
-            for buffer in buffers[1:]:
-                grad_toeplitz.add_(buffer[2])
-            grad_c = torch.zeros_like(c).scatter_add_(1, index, grad_toeplitz.reshape(heads, -1))
-        return grad_q, grad_k, grad_q_near, grad_k_near, None, None, None, grad_v, grad_c, None
+        grad_c = _coefficient_grad(c, [buffer[2] for buffer in buffers]) if need_c else None
+        return call.grad_q, call.grad_k, call.grad_q_near, call.grad_k_near, None, None, None, call.grad_v, grad_c, None
+
+
+class _DenseBackward(NamedTuple):
+    """One backward of `_DenseToeplitzProduct`: its saved inputs and options, C [H, n, n] split at the near field
+    (`_near_toeplitz`; `inside`: [n, n] |j - i| < width), the upstream gradient of a sequence's heads and the
+    gradients asked for (zero-filled here, None where not asked for)."""
+
+    phi_q: torch.Tensor
+    phi_k: torch.Tensor
+    value: torch.Tensor
+    q_near: Optional[torch.Tensor]
+    k_near: Optional[torch.Tensor]
+    key_mask: Optional[torch.Tensor]
+    width: Optional[int]
+    exponential: bool
+    toeplitz: torch.Tensor
+    near_toeplitz: Optional[torch.Tensor]
+    inside: Optional[torch.Tensor]
+    upstream: Callable  # (b, heads) -> (dL/dnumerator [h, n, d_v], dL/ddenominator [h, n, 1])
+    grad_q: Optional[torch.Tensor]
+    grad_k: Optional[torch.Tensor]
+    grad_q_near: Optional[torch.Tensor]
+    grad_k_near: Optional[torch.Tensor]
+    grad_v: Optional[torch.Tensor]
+
+
+def _backward_call(ctx, grad_out, saved):
+    """The `_DenseBackward` of `_DenseToeplitzProduct.backward`'s context, upstream gradient and saved tensors."""
+    phi_q, phi_k, value, c, q_near, k_near, key_mask, *normalized = saved
+    n = phi_q.shape[-2]
+    toeplitz, near_toeplitz = _near_toeplitz(c, n, ctx.width)
+    inside = band_of(n, ctx.width, c.device) if near_toeplitz is not None else None
+    needs = (*ctx.needs_input_grad[:4], ctx.needs_input_grad[7])
+    asked = [torch.zeros_like(x) if need else None for x, need in zip((phi_q, phi_k, q_near, k_near, value), needs)]
+    upstream = _upstream(grad_out, value.shape[-1], normalized if ctx.normalized else None)
+    return _DenseBackward(phi_q, phi_k, value, q_near, k_near, key_mask, ctx.width, ctx.exponential, toeplitz,
+                          near_toeplitz, inside, upstream, *asked)
+
+
+def _upstream(grad_out, d, normalized):
+    """(b, heads) -> (dL/dnumerator, dL/ddenominator) of sequence b's heads: grad_out's two parts, or through the
+    division y = numerator / divisor (`normalized`: (y, divisors)): g / divisor and -(g / divisor) . y."""
+    if not normalized:
+        grad_numerator, grad_denominator = grad_out[..., :d].contiguous(), grad_out[..., d:].contiguous()
+        return lambda b, heads: (grad_numerator[b, heads], grad_denominator[b, heads])
+    out, divisors = normalized
+    grad_out = grad_out.contiguous()
+
+    def rows(b, heads):
+        g = grad_out[b, heads] / divisors[b, heads]
+        return g, -(g * out[b, heads]).sum(-1, keepdim=True)
+
+    return rows
+
+
+def _backward_kernels(call, buffer, b, heads, length):
+    """The forward's kernel tiles [h, n, length] of sequence b's `heads`, rebuilt in the slot's buffers: (phi_q .
+    phi_k, or the exact kernel exp(q . k); the near field's exp(q_near . k_near), or None), padded keys' exact
+    kernels zero."""
+    products, _, _, exact_buffer = buffer
+    shape = (heads.stop - heads.start, call.phi_q.shape[-2], length)
+    product = products[: math.prod(shape)].view(shape)
+    _feature_scores(call.phi_q[b, heads], call.phi_k[b, heads, :length], call.width, product)
+    if call.exponential:
+        product.exp_()
+        if call.key_mask is not None:
+            product.mul_(call.key_mask[b, :length])
+    if call.near_toeplitz is None:
+        return product, None
+    exact = exact_buffer[: math.prod(shape)].view(shape)
+    torch.matmul(call.q_near[b, heads], call.k_near[b, heads, :length].transpose(-1, -2), out=exact).exp_()
+    if call.key_mask is not None:
+        exact.mul_(call.key_mask[b, :length])
+    return product, exact
+
+
+def _head_group_backward(call, buffer, b, heads, length):
+    """The gradients of sequence b's `heads` (its first `length` keys) into `call`'s, and C's into the slot's buffer.
+    With the near field, w = (phi_q . phi_k) C_far + exp(q_near . k_near) C_near."""
+    g, grad_denominator = call.upstream(b, heads)
+    scale = call.toeplitz[heads, :, :length]
+    product, exact = _backward_kernels(call, buffer, b, heads, length)
+    near_scale = None if exact is None else call.near_toeplitz[heads, :, :length]
+    grad_weights = buffer[1][: product.numel()].view(product.shape)
+    if call.grad_v is not None:  # dL/dv_j = sum_i w_ij dL/dnumerator_i
+        torch.mul(product, scale, out=grad_weights)
+        if exact is not None:
+            grad_weights.addcmul_(exact, near_scale)
+        torch.matmul(grad_weights.transpose(-1, -2), g, out=call.grad_v[b, heads, :length])
+    # dL/dw_ij = dL/dnumerator_i . v_j + dL/ddenominator_i
+    torch.baddbmm(grad_denominator, g, call.value[b, heads, :length].transpose(-1, -2), out=grad_weights)
+    if buffer[2] is not None:  # dL/dC_ij = dL/dw_ij (phi_q_i . phi_k_j), or exp(q_near . k_near) in the near field
+        grad_toeplitz = buffer[2][heads, :, :length]
+        grad_toeplitz.addcmul_(grad_weights, product)
+        if exact is not None:
+            grad_toeplitz.addcmul_(grad_weights, torch.where(call.inside[:, :length], exact - product, 0.0))
+    if exact is not None and (call.grad_q_near is not None or call.grad_k_near is not None):
+        grad_logits = exact.mul_(grad_weights).mul_(near_scale)  # dL/dlogit = dL/dw exp(logit) C_near
+        if call.grad_q_near is not None:
+            torch.matmul(grad_logits, call.k_near[b, heads, :length], out=call.grad_q_near[b, heads])
+        if call.grad_k_near is not None:
+            torch.matmul(grad_logits.transpose(-1, -2), call.q_near[b, heads], out=call.grad_k_near[b, heads, :length])
+    grad_weights.mul_(scale)  # dL/d(phi_q_i . phi_k_j)
+    if call.exponential:  # dL/d(q_i . k_j) = dL/dkernel_ij kernel_ij
+        grad_weights.mul_(product)
+    _feature_grads(grad_weights, call.phi_q[b, heads], call.phi_k[b, heads, :length], call.width,
+                   None if call.grad_q is None else call.grad_q[b, heads],
+                   None if call.grad_k is None else call.grad_k[b, heads, :length])
+
+
+def _coefficient_grad(c, per_slot):
+    """dL/dc [H, 2n - 1] from each slot's dL/dC [H, n, n], added in slot order: C_ij = c_{j-i}, so each coefficient
+    gets the sum of its diagonal."""
+    heads, n = per_slot[0].shape[:2]
+    positions = torch.arange(n, device=c.device)
+    index = (positions[None, :] - positions[:, None] + n - 1).reshape(1, -1).expand(heads, -1)
+    grad_toeplitz = per_slot[0]
+    for buffer in per_slot[1:]:
+        grad_toeplitz.add_(buffer)
+    return torch.zeros_like(c).scatter_add_(1, index, grad_toeplitz.reshape(heads, -1))
 
 
 def key_lengths(mask, batch, n):
