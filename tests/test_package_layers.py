@@ -146,18 +146,10 @@ FUNCTION_MAX_PARAMETERS = 12  # self / cls not counted
 LARGE_FUNCTIONS = {
     # the public functional API: one keyword per option of the attention
     "functional.nprf_attention", "functional.nprf_attention_weights",
-    # what takes those arguments on as they are: their body, the float64 reference, the sharded attention, the
-    # decode step (called by cache_nprf)
-    "functional._attention", "nprf_naive.naive_attention_weights", "nprf_recurrent.recurrent_step",
-    "nprf_context_parallel.context_parallel_attention", "nprf_context_parallel.sharded_attention",
-    "nprf_context_parallel._window_attention",
-    # Triton kernels (a parameter per pointer, stride and block size) and the custom op that launches them
+    # Triton kernels (a parameter per pointer, stride and block size) and the custom ops that launch them (a custom
+    # op's signature takes tensors and scalars, not objects)
     "nprf_triton_kernels", "nprf_triton_backward", "nprf_triton_decode", "nprf_triton._attention_backward",
     "nprf_triton._",
-    # the cache's attention step: the layer's arguments and the cache's own
-    "cache_nprf.NPRFCacheMixin.attend",
-    # under rework elsewhere (issue 56): the dense product's backward, the near field's correction
-    "nprf_dense._DenseToeplitzProduct.backward", "nprf_near_field.near_field_correction",
 }
 
 
