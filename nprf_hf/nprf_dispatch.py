@@ -20,8 +20,8 @@ from .nprf_features import compute_dtype
 from .nprf_fft import fft_kernel, fft_toeplitz_attention, fft_toeplitz_inference
 from .nprf_positions import infer_band_width
 from .nprf_schedule import SERIAL
-from .nprf_triton import log_fallback_once, triton_cannot_run, triton_decode_step, triton_unfused
-from .nprf_triton_short import triton_attention
+from .nprf_triton import log_fallback_once, triton_decode_step, triton_unfused
+from .nprf_triton_short import triton_attention, triton_cannot_run
 from .options import NEAR_FIELD_VARIANTS, QUADRATIC_VARIANTS
 
 

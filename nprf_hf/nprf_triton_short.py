@@ -11,6 +11,7 @@ Its launches are custom ops as the banded path's (`short_forward` with its autog
 library, with shape-only fakes; eager calls run their implementations through a plain autograd.Function.
 """
 
+import functools
 from typing import Optional
 
 import torch
@@ -32,14 +33,50 @@ def takes_short_path(n):
     return n <= SHORT_LENGTH
 
 
+def triton_cannot_run(query):
+    """`nprf_triton.triton_cannot_run`, which, while torch.compile traces, probes the banded kernels on the device;
+    then the short path's are probed too (a failure inside a compiled graph could not fall back)."""
+    reason = nprf_triton.triton_cannot_run(query)
+    if reason is None and torch.compiler.is_compiling():
+        reason = short_kernels_fail_on(query.device, query.dtype)
+    return reason
+
+
+@torch.compiler.assume_constant_result
+def short_kernels_fail_on(device, dtype):
+    """None where the short path's kernels build and run on `device` in `dtype`, else why not (as
+    `nprf_triton.kernels_fail_on`: once per process, device and dtype; a failure is said once)."""
+    return _probe(device, dtype)
+
+
+@functools.cache  # (once per process, device and dtype: the kernels build there or not)
+def _probe(device, dtype):
+    try:
+        with torch.enable_grad():
+            q, k, v = (torch.randn(1, 1, BLOCK + 1, 16, device=device, dtype=dtype, requires_grad=True)
+                       for _ in range(3))
+            bias, projection = torch.zeros(1, 2 * BLOCK + 1, device=device), torch.randn(16, 16, device=device)
+            _short_attention(q, k, v, bias, projection, None, None, 2, False, BLOCK, NUM_WARPS).sum().backward()
+    except Exception as error:  # noqa: BLE001
+        reason = f"the kernels failed here ({type(error).__name__}: {error})"
+        nprf_triton.log_fallback_once(reason)
+        return reason
+    return None
+
+
 def triton_attention(query, key, value, rpe_bias, projection, key_padding_mask, logit_scale, band_width, causal,
                      block=BLOCK, num_warps=NUM_WARPS):
     """`nprf_triton.triton_attention`'s call, the same arguments and result: the short path's kernels up to
     SHORT_LENGTH tokens, the banded kernels beyond."""
+    attention = _short_attention if takes_short_path(query.shape[2]) else nprf_triton.triton_attention
+    return attention(query, key, value, rpe_bias, projection, key_padding_mask, logit_scale, band_width, causal, block,
+                     num_warps)
+
+
+def _short_attention(query, key, value, rpe_bias, projection, key_padding_mask, logit_scale, band_width, causal,
+                     block, num_warps):
+    """`triton_attention` on the short path, whatever the length."""
     heads, n = query.shape[1], query.shape[2]
-    if not takes_short_path(n):
-        return nprf_triton.triton_attention(query, key, value, rpe_bias, projection, key_padding_mask, logit_scale,
-                                            band_width, causal, block, num_warps)
     eager = nprf_triton._plain_eager(query)
     root = nprf_triton._feature_root(logit_scale, heads, query.device, eager)
     # (the band's blocks either side of a query block: its tiles read c per pair, the others their side's constant)

@@ -59,35 +59,39 @@ def _bias_grad(V, C, FQ, FK, DO, O, DEN, DC, b, h, bh, block, rows_q, shift, c_b
                CAUSAL: tl.constexpr, HALF: tl.constexpr, DIAGONALS: tl.constexpr, BT: tl.constexpr,
                BV: tl.constexpr, BM: tl.constexpr):
     """A query block's share of the bias gradient DC [H, 2N - 1], dA_ij w_ij summed per r = j - i: atomically per
-    pair (or per diagonal) in the band's tiles, and per direction beyond it, at its outermost entry. phi_q, g and
-    delta are read again (not kept live through dq's conversion, as the banded query_grad does)."""
+    pair (or per diagonal) in the band's tiles, and per tile beyond it, at its side's outermost entry (r = +-(n - 1),
+    as the banded kernels give it). phi_q, g and delta are read again (not kept live through dq's conversion)."""
     c_row, dc_row = C + h * (2 * N - 1), DC + h * (2 * N - 1)
     phi_q = _load_features(FQ, bh, rows_q, N, M, HALF, BM)
     g, delta = _output_grad(DO, O, DEN, b, h, bh, rows_q, stride_ob, stride_oh, stride_on, stride_od, N, DV, BV)
     g = _operand(g, HALF)
-    side = tl.arange(0, 2)  # the far tiles' sums: [before the band, after it]
-    far = tl.zeros([2], dtype=tl.float32)
-    for key_block in range(0, hi + 1):
-        rows_k = key_block * BT + tl.arange(0, BT)
+    # per-pair atomics take half a key block a step (a whole block's addresses, pairs and weights together spilled
+    # registers on sm_90, causal); the diagonal sums (`_add_diagonals`) read a whole block's tile. A far tile's sum
+    # is added at once: summed across the loop it spilled too
+    KT: tl.constexpr = BT // (2 - DIAGONALS)
+    for part in range(0, (hi + 1) * (BT // KT)):
+        key_block = part // (BT // KT)
+        rows_k = part * KT + tl.arange(0, KT)
         phi_k = _load_features(FK, bh, rows_k, N, M, HALF, BM)
         v = _operand(_load_rows(V + b * stride_vb + h * stride_vh, rows_k, N, tl.arange(0, BV), DV, stride_vn,
                                 stride_vd), HALF)
         relative = rows_k[None, :] - rows_q[:, None]
-        valid = (rows_q[:, None] < N) & (rows_k[None, :] < N)
-        if CAUSAL:
-            valid = valid & (relative <= 0)
+        if CAUSAL:  # (keys up to a query inside the sequence are inside it)
+            valid = (rows_q[:, None] < N) & (relative <= 0)
+        else:
+            valid = (rows_q[:, None] < N) & (rows_k[None, :] < N)
         band = tl.abs(key_block - block) <= REACH
         c = _tile_coefficients(c_row, shift, relative, valid, band, tl.where(key_block < block, c_before, c_after),
                                N)
-        pair = (_dot(g, tl.trans(v), HALF) + delta[:, None]) * _dot(phi_q, tl.trans(phi_k), HALF) * c
+        weights = _dot(phi_q, tl.trans(phi_k), HALF) * c
+        pair = (_dot(g, tl.trans(v), HALF) + delta[:, None]) * weights
         if band:
             if DIAGONALS:
                 _add_diagonals(dc_row, pair, (key_block - block) * BT, N, BT)
             else:
                 tl.atomic_add(dc_row + relative + N - 1, pair, mask=valid)
         else:  # (pair is zero where not valid: so is c)
-            far += tl.where(side == (key_block > block).to(tl.int32), tl.sum(tl.sum(pair, axis=1), axis=0), 0.0)
-    tl.atomic_add(dc_row + side * (2 * N - 2), far)
+            tl.atomic_add(dc_row + tl.where(key_block < block, 0, 2 * N - 2), tl.sum(tl.sum(pair, axis=1), axis=0))
 
 
 @triton.jit
@@ -107,7 +111,7 @@ def nprf_short_forward_kernel(
     cols_v = tl.arange(0, BV)
     w, root = _projection(W, ROOT, h, M, D, W_PER_HEAD, BM, BD, HALF)
     q = _load_rows(Q + b * stride_qb + h * stride_qh, rows_q, N, tl.arange(0, BD), D, stride_qn, stride_qd)
-    phi_q, _, _ = _features(q, w, root, M, log_m_half, EPS, HALF)
+    phi_q, _q_unit, _q_inverse = _features(q, w, root, M, log_m_half, EPS, HALF)
     _store_features(FQ, bh, rows_q, phi_q, N, M, BM)
     phi_q = _operand(phi_q, HALF)
     c_row = C + h * (2 * N - 1)
@@ -119,7 +123,7 @@ def nprf_short_forward_kernel(
     denominator = tl.zeros([BT], dtype=tl.float32)
     for key_block in range(0, hi + 1):
         rows_k = key_block * BT + tl.arange(0, BT)
-        phi_k, _, _, v, _ = _key_block(K, V, MASK, b, h, rows_k, stride_kb, stride_kh, stride_kn, stride_kd,
+        phi_k, _k_unit, _k_inverse, v, _kept = _key_block(K, V, MASK, b, h, rows_k, stride_kb, stride_kh, stride_kn, stride_kd,
                                        stride_vb, stride_vh, stride_vn, stride_vd, stride_mb, w, root, N, D, DV, M,
                                        log_m_half, HAS_MASK, EPS, HALF, BD, BV)
         if key_block == block:
@@ -206,8 +210,7 @@ def nprf_short_query_grad_kernel(
 ):
     """Per query block (after the key kernel): dphi_q over every key block it reads, then dq and d root (its own and
     the key kernel's program of the same block, added atomically per head) and (NEED_DC) the bias gradient, in a loop
-    of its own: per pair in the band (or with DIAGONALS per diagonal of each tile), per direction beyond it (the far
-    entries r = +-(n - 1), as the banded kernels give it)."""
+    of its own (`_bias_grad`)."""
     block, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H, bh % H
     rows_q = block * BT + tl.arange(0, BT)

@@ -634,6 +634,31 @@ def test_compiled_auto_falls_back_without_a_graph_break(monkeypatch, caplog):
 
 
 @pytest.mark.filterwarnings("ignore:Your compiler for AOTAutograd")
+def test_compiled_auto_falls_back_when_the_short_kernels_fail(monkeypatch, caplog):
+    """Compiled "auto" probes the short path's kernels as well as the banded ones (once per device and dtype): where
+    the short path's fail, the compiled calls there run PyTorch's path (no graph break), said once."""
+    from nprf_hf import nprf_dispatch
+
+    routing = nprf_dispatch.Routing(kernel_devices=("cpu",))
+    for cached in (nprf_triton._log_once, nprf_triton._probe, nprf_triton_short._probe):
+        cached.cache_clear()
+    q, k, v, bias, projection, mask, *_, width = segment_case(14)
+    monkeypatch.setattr(nprf_triton_short, "short_forward", lambda *a: 1 / 0)
+
+    def attention(q, k, v):
+        return Fn.nprf_attention(q, k, v, bias, projection, mask, band_width=width + 1, routing=routing)
+
+    torch._dynamo.reset()
+    with caplog.at_level(logging.WARNING, logger="nprf_hf.nprf_triton"):
+        out = torch.compile(attention, backend="aot_eager", fullgraph=True)(q, k, v)
+    said = [r.getMessage() for r in caplog.records if "Triton kernels do not run" in r.getMessage()]
+    assert len(said) == 1 and "ZeroDivisionError" in said[0]
+    nprf_triton_short._probe.cache_clear()  # (the failure was this test's own)
+    assert relative_error(out, naive_attention(q, k, v, bias, projection, mask)) < 1e-5
+    torch._dynamo.reset()
+
+
+@pytest.mark.filterwarnings("ignore:Your compiler for AOTAutograd")
 def test_compiled_auto_runs_the_kernels_in_a_model(monkeypatch):
     """Under torch.compile "auto" is the kernels on a CUDA device too (the CPU plays one here): a tiny model compiled
     with fullgraph=True runs the forward op and equals the eager PyTorch algorithms in logits and gradients; a
