@@ -28,7 +28,7 @@ a row per compiled variant; the last line sums it up (K: the rows):
     python benchmarks/kernel_resources.py [--arch 90 80] [--inputs bf16 tf32 fp32] [--calls encoder decoder decode]
         [--all-flags] [--tiles 64x4] [--json PATH]
 
-The default run compiles 30 variants in about 1.5-2 minutes on 2 busy cores (no GPU needed; Triton's bundled ptxas
+The default run compiles 36 variants in about 1-1.5 minutes on 2 busy cores (no GPU needed; Triton's bundled ptxas
 and cuobjdump). tests/test_kernel_resources.py runs it for sm_90 and bf16.
 """
 
