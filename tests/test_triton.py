@@ -289,17 +289,18 @@ def test_the_public_function_runs_the_kernels(causal, path, monkeypatch):
         assert out[0, :, :2].abs().max() == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("path", PATHS)
-def test_half_precision_inputs(path, monkeypatch):
-    """bf16 q, k, v: bf16 operands with fp32 accumulation, within bf16's rounding of the float64 reference."""
+def test_half_precision_inputs(path, dtype, monkeypatch):
+    """bf16 (fp16) q, k, v: 16-bit operands with fp32 accumulation, within bf16's rounding of the float64 reference."""
     on_path(path, monkeypatch)
     generator = torch.Generator().manual_seed(5)
     n, width = 48, 8
     q, k, v, table, projection, mask = inputs(2, 2, n, 16, 16, width, generator)
     bias = tied_table_bias(table, n, width).detach()
-    q, k, v = (t.detach().bfloat16().requires_grad_(True) for t in (q, k, v))
+    q, k, v = (t.detach().to(dtype).requires_grad_(True) for t in (q, k, v))
     out = Fn.nprf_attention(q, k, v, bias, projection, mask, algorithm="triton", band_width=width + 1)
-    assert out.dtype == torch.bfloat16
+    assert out.dtype == dtype
     ref = naive_attention(q, k, v, bias, projection, mask)
     assert relative_error(out, ref) < 2e-2
     grad_q = torch.autograd.grad(out.float().square().sum(), q)[0]
