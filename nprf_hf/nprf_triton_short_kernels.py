@@ -123,9 +123,10 @@ def nprf_short_forward_kernel(
     denominator = tl.zeros([BT], dtype=tl.float32)
     for key_block in range(0, hi + 1):
         rows_k = key_block * BT + tl.arange(0, BT)
-        phi_k, _k_unit, _k_inverse, v, _kept = _key_block(K, V, MASK, b, h, rows_k, stride_kb, stride_kh, stride_kn, stride_kd,
-                                       stride_vb, stride_vh, stride_vn, stride_vd, stride_mb, w, root, N, D, DV, M,
-                                       log_m_half, HAS_MASK, EPS, HALF, BD, BV)
+        # (names of their own for what is not read: a name bound before the loop would be loop-carried)
+        phi_k, _k_unit, _k_inverse, v, _kept = _key_block(
+            K, V, MASK, b, h, rows_k, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn,
+            stride_vd, stride_mb, w, root, N, D, DV, M, log_m_half, HAS_MASK, EPS, HALF, BD, BV)
         if key_block == block:
             _store_features(FK, bh, rows_k, phi_k, N, M, BM)
         relative = rows_k[None, :] - rows_q[:, None]
