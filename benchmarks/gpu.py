@@ -1,14 +1,15 @@
 """The GPU benchmark of issues 43 and 55, in one run that fits one device loan (at most 8 minutes):
 
 1. a check of the kernels on the device against the float64 reference (values and gradients, fp32 and bf16,
-   padding, causal; the decode step), so that nothing wrong is timed;
+   padding, causal, the short path and the banded one; the decode step), so that nothing wrong is timed;
 2. attention alone (B = 1, H = 12, d = 64, m = 64, T5's default buckets), forward and forward + backward, the
    Triton kernels (`algorithm="triton"`) against SDPA (its flash kernel in bf16), 1,024 to 65,536 tokens, with the
    kernels' achieved TFLOP/s and the share of the device's nominal bf16 peak, and each call replayed from a CUDA
    graph (the device's time alone: what is left when no Python launches the kernels), the share of issue 55's
    roofline bound that forward + backward reaches (`roofline`: useful FLOPs or bytes, whichever binds), and
    forward + backward with the bias table trained (a model's case) by either way of summing its gradient
-   (`nprf_triton.DIAGONAL_SUMS`);
+   (`nprf_triton.DIAGONAL_SUMS`), and up to `both_paths_max` tokens both paths of the kernels, the short one (no block
+   states) and the banded one: where `nprf_triton_short.SHORT_LENGTH`, their crossover, should be;
 3. a whole RoBERTa-base-sized masked LM (12 layers, 768 wide; NPRF with `attention_algorithm="auto"`, which is the
    kernels on CUDA) against the same model with SDPA softmax: forward and training step (forward, loss, backward)
    at 32 x 128, 8 x 512, 1 x 4,096 and 1 x 16,384, with peak memory;
@@ -30,6 +31,7 @@ device named) and a plot:
 """
 
 import argparse
+import contextlib
 import gc
 import logging
 import os
@@ -58,7 +60,7 @@ FULL = dict(lengths=(1024, 2048, 4096, 8192, 16384, 32768, 65536), heads=12, hea
             # the device's check in bf16 alone: fp32 products are FMA loops there, whose compiles take minutes
             # (tf32: fp32 inputs with torch's TF32 matmuls allowed, the kernels' TF32 products)
             compile_mode="reduce-overhead", check_lengths=(1000,), check_batch=2, check_dtypes=("bfloat16", "tf32"),
-            graphed=True)
+            graphed=True, both_paths_max=4096)
 # the same at fewer points and repeats: for a device loan with only a few minutes left
 QUICK = dict(FULL, lengths=(1024, 4096, 16384, 65536), repeats=5, tiles=((32, 4),), decode_batches=(1, 16),
              decode_steps=16)
@@ -68,7 +70,7 @@ TINY = dict(lengths=(40, 72), heads=2, head_dim=16, features=16, model_points=((
             # aot_eager: dynamo and AOTAutograd (what decides graph breaks and the backward graph) without inductor's
             # code generation (minutes of C++ compiles on 2 cores)
             compiled_points=((2, 24), (1, 40)), compile_backend="aot_eager", compile_mode=None, check_lengths=(45,),
-            check_batch=2, check_dtypes=("float32", "bfloat16", "tf32"), graphed=False)
+            check_batch=2, check_dtypes=("float32", "bfloat16", "tf32"), graphed=False, both_paths_max=72)
 
 
 def peak_bytes(fn, device):
@@ -230,6 +232,10 @@ def attention_part(s, device, dtype, log):
                 log(f"bias gradient by {label} n={n} failed: {type(error).__name__}: {str(error)[:300]}")
         nprf_triton.DIAGONAL_SUMS = default
         q.grad = k.grad = v.grad = None
+        if n <= s["both_paths_max"]:
+            row["paths"] = both_paths(nprf, grad, device, s, log)
+            log(f"paths n={n}: " + ", ".join(f"{path} fwd {_ms(t['forward_s'])} fwd+bwd {_ms(t['train_s'])} ms"
+                                             for path, t in row["paths"].items()))
         row["roofline"] = roofline(n, s, device)
         row.update(roofline_fractions(row, row["roofline"]))
         for mode in ("forward", "train"):
@@ -253,6 +259,40 @@ def attention_part(s, device, dtype, log):
                                                                                   "roofline_fraction_eager")
                         if key in row))
     return rows
+
+
+def both_paths(fn, grad, device, s, log):
+    """{path: forward and forward + backward times} of `fn` (the kernels through their entry) on the short path and
+    on the banded one, whatever `nprf_triton_short.SHORT_LENGTH` picks: the data for the next choice of it."""
+    from nprf_hf import nprf_triton_short
+
+    times = {}
+    for path in PATHS:
+        times[path] = {"forward_s": None, "train_s": None}
+        try:
+            with on_path(path), torch.no_grad():
+                times[path]["forward_s"] = median_time(fn, device, s["repeats"])
+            with on_path(path):
+                times[path]["train_s"] = median_time(lambda: fn().backward(grad), device, s["repeats"])
+        except Exception as error:  # noqa: BLE001  (one device call: keep the other numbers)
+            log(f"the {path} path failed: {type(error).__name__}: {str(error)[:300]}")
+    return times
+
+
+PATHS = ("short", "banded")
+
+
+@contextlib.contextmanager
+def on_path(path):
+    """Within: the kernels' entry (`nprf_triton_short.triton_attention`) takes `path` at every length."""
+    from nprf_hf import nprf_triton_short
+
+    default = nprf_triton_short.SHORT_LENGTH
+    nprf_triton_short.SHORT_LENGTH = 1 << 30 if path == "short" else 0
+    try:
+        yield
+    finally:
+        nprf_triton_short.SHORT_LENGTH = default
 
 
 def _ms(seconds):
@@ -303,13 +343,14 @@ def check_part(s, device, dtype, log):
     """The compiled kernels on the device against the float64 reference before anything is timed (the suite checks
     the same code under Triton's interpreter, at toy sizes): relative errors of the output and of the gradients of
     q, k, v and the bias table (`check_dtypes`: bf16, fp32 with TF32 allowed, exact fp32), bidirectional and causal,
-    with left and right key padding, at lengths off the block; and the decode kernel's output and new state against
-    `recurrent_attention`."""
+    with left and right key padding, at lengths off the block, on both paths (`PATHS`); and the decode kernel's output
+    and new state against `recurrent_attention`."""
     from nprf_hf import functional as Fn
     from nprf_hf import nprf_recurrent
     from nprf_hf.nprf_features import normalize_attention, normalized_features
     from nprf_hf.nprf_naive import naive_attention
-    from nprf_hf.nprf_triton import triton_attention, triton_decode_step
+    from nprf_hf.nprf_triton import triton_decode_step
+    from nprf_hf.nprf_triton_short import triton_attention
 
     def error(a, b):
         return ((a.double() - b.double()).norm() / b.double().norm()).item()
@@ -323,32 +364,32 @@ def check_part(s, device, dtype, log):
     for name in s["check_dtypes"]:
         in_dtype = torch.float32 if name == "tf32" else getattr(torch, name)
         bound = 1e-4 if name == "float32" else 5e-2
-        for n in s["check_lengths"]:
-            for causal in (False, True):
-                q, k, v = (torch.randn(batch, heads, n, d, generator=generator).to(device) for _ in range(3))
-                table = (torch.randn(heads, 32, generator=generator) * 0.5).to(device).requires_grad_(True)
-                projection = Fn.draw_projection(m, d, generator=generator).to(device)
-                mask = torch.ones(batch, n, dtype=torch.bool, device=device)
-                mask[-1, n - n // 3:] = False
-                mask[0, :2] = False
-                grad_out = torch.randn(batch, heads, n, d, generator=generator).to(device)
-                leaves = [t.to(in_dtype).requires_grad_(True) for t in (q, k, v)]
-                with tf32_matmuls(name == "tf32"):
-                    out = triton_attention(*leaves, Fn.relative_position_bias(table, n), projection, mask, None,
-                                           width, causal)
-                    got = torch.autograd.grad(out, (*leaves, table), grad_out.to(out.dtype))
-                wide = [t.double().requires_grad_(True) for t in (q, k, v)]
-                table64 = table.detach().double().requires_grad_(True)
-                ref = naive_attention(*wide, Fn.relative_position_bias(table64, n), projection.double(), mask, causal)
-                want = torch.autograd.grad(ref, (*wide, table64), grad_out.double())
-                row = {"dtype": name, "n": n, "causal": causal, "out": error(out, ref)}
-                row.update({f"d{label}": error(a, b) for label, a, b in zip(("q", "k", "v", "table"), got, want)})
-                row["ok"] = all(value < bound for key, value in row.items() if key in ("out", "dq", "dk", "dv",
-                                                                                         "dtable"))
-                rows.append(row)
-                log(f"check {name} n={n} causal={causal}: relative errors " + ", ".join(
-                    f"{key} {row[key]:.1e}" for key in ("out", "dq", "dk", "dv", "dtable")) +
-                    ("" if row["ok"] else f"  ABOVE {bound:g}"))
+        for n, path, causal in ((n, path, causal) for n in s["check_lengths"] for path in PATHS
+                                for causal in (False, True)):
+            q, k, v = (torch.randn(batch, heads, n, d, generator=generator).to(device) for _ in range(3))
+            table = (torch.randn(heads, 32, generator=generator) * 0.5).to(device).requires_grad_(True)
+            projection = Fn.draw_projection(m, d, generator=generator).to(device)
+            mask = torch.ones(batch, n, dtype=torch.bool, device=device)
+            mask[-1, n - n // 3:] = False
+            mask[0, :2] = False
+            grad_out = torch.randn(batch, heads, n, d, generator=generator).to(device)
+            leaves = [t.to(in_dtype).requires_grad_(True) for t in (q, k, v)]
+            with tf32_matmuls(name == "tf32"), on_path(path):
+                out = triton_attention(*leaves, Fn.relative_position_bias(table, n), projection, mask, None,
+                                       width, causal)
+                got = torch.autograd.grad(out, (*leaves, table), grad_out.to(out.dtype))
+            wide = [t.double().requires_grad_(True) for t in (q, k, v)]
+            table64 = table.detach().double().requires_grad_(True)
+            ref = naive_attention(*wide, Fn.relative_position_bias(table64, n), projection.double(), mask, causal)
+            want = torch.autograd.grad(ref, (*wide, table64), grad_out.double())
+            row = {"dtype": name, "n": n, "path": path, "causal": causal, "out": error(out, ref)}
+            row.update({f"d{label}": error(a, b) for label, a, b in zip(("q", "k", "v", "table"), got, want)})
+            row["ok"] = all(value < bound for key, value in row.items() if key in ("out", "dq", "dk", "dv",
+                                                                                     "dtable"))
+            rows.append(row)
+            log(f"check {name} n={n} {path} causal={causal}: relative errors " + ", ".join(
+                f"{key} {row[key]:.1e}" for key in ("out", "dq", "dk", "dv", "dtable")) +
+                ("" if row["ok"] else f"  ABOVE {bound:g}"))
     # the decode step: one token against a random state, in fp32
     ring = width - 1
     q, k, v = (torch.randn(batch, heads, 1, d, generator=generator).to(device) for _ in range(3))

@@ -5,8 +5,10 @@ Below 16,384 tokens the kernels' calls were host-bound on an H200 (RESULTS, "On 
 kernels is a launch and some microseconds of Python. This counts them under Triton's interpreter (TRITON_INTERPRET=1,
 set here) with every kernel replaced by a stub that only counts its launches: ATen operators that write memory
 ("launch-like": a kernel on a GPU), allocations and views apart, inside the kernels' custom ops too; and the median
-host time per call at a tiny shape on one thread. A proxy: no GPU time is measured, and the band-width check that
-`nprf_dispatch.resolve_algorithm` makes on CPU tensors only (skipped for the kernels on CUDA) is stubbed out.
+host time per call at a tiny shape on one thread, through the short path's kernels (64 tokens: `nprf_triton_short`)
+and, in the rows named "banded", the banded kernels that longer sequences run. A proxy: no GPU time is measured, and
+the band-width check that `nprf_dispatch.resolve_algorithm` makes on CPU tensors only (skipped for the kernels on
+CUDA) is stubbed out.
 
     python benchmarks/kernel_host_ops.py [--dtype bfloat16] [--mask] [--batch 1] [--repeats 300] [--verbose] [--model]
 
@@ -28,7 +30,7 @@ from torch.utils._pytree import tree_leaves  # noqa: E402
 
 from nprf_hf import functional as Fn  # noqa: E402
 from nprf_hf import nprf_dispatch, nprf_triton, nprf_triton_backward, nprf_triton_decode  # noqa: E402
-from nprf_hf import nprf_triton_kernels  # noqa: E402
+from nprf_hf import nprf_triton_kernels, nprf_triton_short, nprf_triton_short_kernels  # noqa: E402
 from nprf_hf.benchmarking import median_time  # noqa: E402
 
 
@@ -54,8 +56,9 @@ class CountOperators(TorchDispatchMode):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
         if func.namespace != "aten":  # the kernels' custom op: run its Python implementation, counting inside
+            op = getattr(nprf_triton, name, None) or getattr(nprf_triton_short, name)
             with CountOperators(self.ops):
-                return getattr(nprf_triton, name)._init_fn(*args, **kwargs)
+                return op._init_fn(*args, **kwargs)
         out = func(*args, **kwargs)
         inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
@@ -72,7 +75,8 @@ class CountOperators(TorchDispatchMode):
 
 
 def calls(dtype, masked, batch=1, heads=2, n=64, d=16, m=16, width=8):
-    """{label: a no-argument call}: the public function forward and forward + backward, and the decode step."""
+    """{label: a no-argument call}: the public function forward and forward + backward (the short path at n tokens;
+    "banded ...", the same through the banded kernels), and the decode step."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(batch, heads, n, d, generator=g, dtype=dtype).requires_grad_() for _ in range(3))
     table = torch.randn(heads, 2 * width + 1, generator=g)
@@ -101,7 +105,14 @@ def calls(dtype, masked, batch=1, heads=2, n=64, d=16, m=16, width=8):
             step_mask = None if mask is None else mask[:, :1]
             return nprf_triton.triton_decode_step(*token, step_mask, state, c, projection, None)
 
-    return {"forward": forward, "forward + backward": forward_backward, "decode step": decode}
+    def banded(call):
+        def run():
+            with mock.patch.object(nprf_triton_short, "SHORT_LENGTH", 0):  # (what longer sequences run)
+                return call()
+        return run
+
+    return {"forward": forward, "forward + backward": forward_backward, "banded forward": banded(forward),
+            "banded forward + backward": banded(forward_backward), "decode step": decode}
 
 
 def _eager(query):
@@ -150,7 +161,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     launches = collections.Counter()
-    for module in (nprf_triton_kernels, nprf_triton_backward, nprf_triton_decode):
+    for module in (nprf_triton_kernels, nprf_triton_backward, nprf_triton_decode, nprf_triton_short_kernels):
         for name in dir(module):
             if name.startswith("nprf_") and name.endswith("_kernel"):
                 setattr(module, name, KernelStub(name, launches))

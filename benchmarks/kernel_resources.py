@@ -3,16 +3,18 @@ compiled ahead of time for sm_90 and sm_80, as the launcher launches it, with it
 shared memory and resident warps per SM. This is how a kernel is tuned between device loans.
 
 The kernels' arguments are not written here a second time: the launcher's own functions (`triton_attention` forward
-and backward, `triton_decode_step`) run on meta tensors (no data, no device) with every kernel replaced by a recorder
+and backward, the short path's up to `nprf_triton_short.SHORT_LENGTH` tokens and the banded one's beyond,
+`triton_decode_step`) run on meta tensors (no data, no device) with every kernel replaced by a recorder
 of its launch, so each compiled variant is one the launcher would launch: its tile (`nprf_triton.BLOCK` rows,
 `NUM_WARPS` warps, `NUM_STAGES` stages), its constexprs, its dtypes, and the specializations the JIT makes on the
 arguments (unit strides, multiples of 16). The dot precision (`HALF`) is the launcher's choice on a CUDA device
 (`_dot_precision`): bf16 inputs take bf16 operands; fp32 inputs take TF32 operands where torch allows TF32 matmuls
 (rows "tf32"), else exact fp32 FMA loops (rows "fp32", torch's default; `--inputs fp32`: their compile is the slow
 one, about 10 minutes more on 2 busy cores). The shape is the issue's target: B = 1, 12 heads, 4,096 tokens,
-d = m = 64, a band of 91 (T5's default buckets). The calls (`CALLS`): by default an encoder's training step
-(bidirectional, padded, the bias trained: all five attention kernels) and a decode step; `--calls` adds a causal
-training step, `--all-flags` compiles every combination of causal, mask, trained bias and per-head projection, and
+d = m = 64, a band of 91 (T5's default buckets); the short path's calls take 512 tokens (a GLUE batch's length).
+The calls (`CALLS`): by default an encoder's training step (bidirectional, padded, the bias trained: all five banded
+kernels), the same at 512 tokens (the short path's three) and a decode step; `--calls` adds causal training steps,
+`--all-flags` compiles every combination of causal, mask, trained bias and per-head projection at both lengths, and
 `--tiles 32x4 64x8` other tiles than the launcher's (`triton_attention(block=, num_warps=)`).
 
 Each variant goes through `triton.compile(..., target=GPUTarget("cuda", arch, 32))` into a fresh temporary cache
@@ -26,7 +28,7 @@ a row per compiled variant; the last line sums it up (K: the rows):
     python benchmarks/kernel_resources.py [--arch 90 80] [--inputs bf16 tf32 fp32] [--calls encoder decoder decode]
         [--all-flags] [--tiles 64x4] [--json PATH]
 
-The default run compiles 24 variants in about 1-1.5 minutes on 2 busy cores (no GPU needed; Triton's bundled ptxas
+The default run compiles 36 variants in about 1-1.5 minutes on 2 busy cores (no GPU needed; Triton's bundled ptxas
 and cuobjdump). tests/test_kernel_resources.py runs it for sm_90 and bf16.
 """
 
@@ -58,9 +60,10 @@ from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
 from nprf_hf import nprf_triton, nprf_triton_backward, nprf_triton_decode, nprf_triton_kernels  # noqa: E402
+from nprf_hf import nprf_triton_short, nprf_triton_short_kernels  # noqa: E402
 from nprf_hf.benchmarking import write_json  # noqa: E402
 
-KERNEL_MODULES = (nprf_triton_kernels, nprf_triton_backward, nprf_triton_decode)
+KERNEL_MODULES = (nprf_triton_kernels, nprf_triton_backward, nprf_triton_decode, nprf_triton_short_kernels)
 # The SM of each architecture: registers per SM and their allocation unit per warp, shared memory per SM and per
 # block, resident warps and blocks per SM (CUDA C Programming Guide, compute capabilities 8.0 and 9.0).
 SM = {
@@ -70,12 +73,15 @@ SM = {
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # The issue's shape: B = 1, H = 12, n = 4,096, d = m = 64, band width 91 (T5's 32 buckets, 128 positions)
 BATCH, HEADS, LENGTH, DIM, FEATURES, BAND = 1, 12, 4096, 64, 64, 91
+SHORT = 512  # the short path's calls (at most nprf_triton_short.SHORT_LENGTH tokens)
 FLAGS = ("causal", "mask", "trained_bias", "per_head")
 # The calls `--calls` picks from: an encoder's training step (bidirectional, padded, the bias table trained), a
-# decoder's (causal, unpadded) and its generation step; `--all-flags` compiles every combination of FLAGS instead.
+# decoder's (causal, unpadded), the same two at SHORT tokens (the short path's kernels) and the generation step;
+# `--all-flags` compiles every combination of FLAGS at both lengths instead.
 CALLS = dict(encoder=dict(mask=True, trained_bias=True), decoder=dict(causal=True, trained_bias=True),
-             decode=dict(decode=True))
-DEFAULT_CALLS = ("encoder", "decode")
+             short_encoder=dict(mask=True, trained_bias=True, length=SHORT),
+             short_decoder=dict(causal=True, trained_bias=True, length=SHORT), decode=dict(decode=True))
+DEFAULT_CALLS = ("encoder", "short_encoder", "decode")
 # bf16 inputs, and fp32 inputs with TF32 dots; `--inputs fp32` adds exact fp32 dots (their compile is the slow one)
 DEFAULT_INPUTS = ("bf16", "tf32")
 
@@ -120,12 +126,13 @@ def record(call):
             nprf_triton.triton_decode_step(q, k, v, new_mask, state, torch.empty(HEADS, BAND + 1, **meta),
                                            projection, None)
         else:
-            q, k, v = (torch.empty(BATCH, HEADS, LENGTH, DIM, dtype=call["dtype"], requires_grad=True, **meta)
+            n = call.get("length", LENGTH)
+            q, k, v = (torch.empty(BATCH, HEADS, n, DIM, dtype=call["dtype"], requires_grad=True, **meta)
                        for _ in range(3))
-            bias = torch.empty(HEADS, 2 * LENGTH - 1, requires_grad=bool(call.get("trained_bias")), **meta)
-            mask = torch.empty(BATCH, LENGTH, dtype=torch.bool, **meta) if call.get("mask") else None
-            out = nprf_triton.triton_attention(q, k, v, bias, projection, mask, None, BAND, bool(call.get("causal")),
-                                               *call["tile"])
+            bias = torch.empty(HEADS, 2 * n - 1, requires_grad=bool(call.get("trained_bias")), **meta)
+            mask = torch.empty(BATCH, n, dtype=torch.bool, **meta) if call.get("mask") else None
+            out = nprf_triton_short.triton_attention(q, k, v, bias, projection, mask, None, BAND,
+                                                     bool(call.get("causal")), *call["tile"])
             out.sum().backward()
     return launches
 
@@ -143,7 +150,8 @@ def precisions(dtype):
 def variants(archs, inputs, calls, all_flags, tiles):
     """The distinct compilations: a list of dicts (kernel, arch, inputs, flags, what `triton.compile` takes).
     tiles: (rows, warps) of the attention kernels (the decode kernel has no tile: compiled with the first)."""
-    calls = ([dict(zip(FLAGS, bits)) for bits in itertools.product((False, True), repeat=len(FLAGS))]
+    calls = ([dict(zip(FLAGS, bits), length=n) for n in (LENGTH, SHORT)
+              for bits in itertools.product((False, True), repeat=len(FLAGS))]
              + [dict(decode=True, mask=mask, per_head=per_head) for mask in (False, True) for per_head in (False, True)]
              if all_flags else [CALLS[name] for name in calls])
     calls = [dict(call, tile=tile) for i, tile in enumerate(tiles) for call in calls
@@ -155,6 +163,8 @@ def variants(archs, inputs, calls, all_flags, tiles):
                 continue
             for call in calls:
                 flags = " ".join(f for f in ("decode", *FLAGS) if call.get(f)) or "-"
+                if not call.get("decode") and nprf_triton_short.takes_short_path(call.get("length", LENGTH)):
+                    flags = f"n={call['length']} {flags}"
                 for kernel, args, kwargs in record(dict(call, dtype=dtype, half=half)):
                     for arch in archs:
                         backend = make_backend(GPUTarget("cuda", arch, 32))
@@ -251,7 +261,8 @@ def main():
                         "about 10 minutes more to compile on 2 cores); fp32 inputs with TF32 dots")
     parser.add_argument("--calls", nargs="+", choices=list(CALLS), default=list(DEFAULT_CALLS),
                         help="the launcher's calls whose kernels are compiled: an encoder's training step "
-                        "(bidirectional, padded, trained bias), a decoder's (causal), a decode step")
+                        f"(bidirectional, padded, trained bias), a decoder's (causal), both at {SHORT} tokens (the "
+                        "short path), a decode step")
     parser.add_argument("--all-flags", action="store_true", help="every combination of causal, mask, trained bias "
                         "and per-head projection (and of the decode step's) instead of --calls")
     parser.add_argument("--tiles", type=_tile, nargs="+", default=[(nprf_triton.BLOCK, nprf_triton.NUM_WARPS)],
@@ -277,9 +288,9 @@ def main():
             done = {i: measure(todo[i]) for i in order}
     results = [done[i] for i in range(len(todo))]
 
-    print(f"Triton {triton.__version__}; B = {BATCH}, H = {HEADS}, n = {LENGTH}, d = m = {DIM}, band {BAND}; tf32: "
-          "fp32 inputs, TF32 dots; spill: ptxas's spill stores + loads a thread; shared: a block's, with CUDA's "
-          "reserved 1 KiB")
+    print(f"Triton {triton.__version__}; B = {BATCH}, H = {HEADS}, n = {LENGTH} (short path: {SHORT}), d = m = {DIM}, "
+          f"band {BAND}; tf32: fp32 inputs, TF32 dots; spill: ptxas's spill stores + loads a thread; shared: a "
+          "block's, with CUDA's reserved 1 KiB")
     header = ("kernel", "sm", "inputs", "calls", "rows", "warps", "stages", "regs", "spill B", "stack B",
               "shared KiB", "blocks", "warps/SM", "limited by")
     rows = [(r["kernel"].removeprefix("nprf_").removesuffix("_kernel"), r["arch"], "/".join(r["inputs"]),

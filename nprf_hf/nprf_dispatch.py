@@ -1,11 +1,10 @@
 # coding=utf-8
 """What runs: `choose_route` is the one decision for every caller, a layer's path (`LayerCall`), an attention call
 (`AttentionCall`: functional, the cache's prefill) and a decode step (`StepCall`): the algorithm ("auto" resolved per
-backend and shape), the band width, the execution mode and whether the fused kernels (`nprf_triton`) take it, with
-why (`Route.reason`; logged at DEBUG, `nprf_hf.explain`). What then runs is one row of PRODUCTS, (backend, algorithm,
-mode) -> the row, whose flags say what it reads: callers read those, never an algorithm's name. The options
-(crossovers, kernel devices, recompute size) are one `Routing` object, `ROUTING` unless the caller passes another.
-"""
+backend and shape), the band width, the execution mode and whether the fused kernels (`nprf_triton`) take it, with why
+(`Route.reason`; logged at DEBUG, `nprf_hf.explain`). What then runs is one row of PRODUCTS, (backend, algorithm, mode)
+-> the row, whose flags say what it reads: callers read those, never an algorithm's name. The options (crossovers,
+kernel devices, recompute size) are one `Routing` object, `ROUTING` unless the caller passes another."""
 
 import logging
 from types import MappingProxyType
@@ -21,7 +20,8 @@ from .nprf_features import compute_dtype
 from .nprf_fft import fft_kernel, fft_toeplitz_attention, fft_toeplitz_inference
 from .nprf_positions import infer_band_width
 from .nprf_schedule import SERIAL
-from .nprf_triton import log_fallback_once, triton_attention, triton_cannot_run, triton_decode_step, triton_unfused
+from .nprf_triton import log_fallback_once, triton_decode_step, triton_unfused
+from .nprf_triton_short import triton_attention, triton_cannot_run
 from .options import NEAR_FIELD_VARIANTS, QUADRATIC_VARIANTS
 
 

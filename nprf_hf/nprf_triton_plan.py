@@ -15,7 +15,8 @@ from typing import NamedTuple
 class Plan(NamedTuple):
     """One shape's launch arguments. sizes: batch, heads, n, d, dv, m, blocks, BV, BM, and grid, the states kernels'
     (splits, B * H); common: the meta-parameters every kernel takes (read-only); args: (H, N, D, DV, M, NC, SPLIT),
-    the size arguments every kernel takes; log_m_half: log(m) / 2; grid: the other kernels' (blocks, B * H)."""
+    the size arguments every kernel takes (the short path's: the first six); log_m_half: log(m) / 2; grid: the other
+    kernels' (blocks, B * H)."""
 
     sizes: types.MappingProxyType
     common: types.MappingProxyType

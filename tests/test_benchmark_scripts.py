@@ -525,10 +525,10 @@ def test_gpu_benchmark_compiled_points_go_on_after_one_fails(monkeypatch):
 
 
 def test_kernel_host_ops_counts_the_operators_around_stubbed_kernels():
-    """benchmarks/kernel_host_ops.py: the kernels stubbed, each call launches exactly its kernels (2 forward, 5
-    forward + backward, 1 decode step) and every PyTorch operator around them is counted and timed: issue 55's
-    eager call with no ATen operator that writes memory (the block states scanned in the kernels: no cumsum; no exp
-    of the bias, fill or batch sum)."""
+    """benchmarks/kernel_host_ops.py: the kernels stubbed, each call launches exactly its kernels (the short path at
+    64 tokens: 1 forward, 3 forward + backward; the banded kernels: 2 and 5; 1 decode step) and every PyTorch operator
+    around them is counted and timed: issue 55's eager call with no ATen operator that writes memory (the block
+    states scanned in the kernels: no cumsum; no exp of the bias, fill or batch sum)."""
     import re
     import subprocess
     import sys
@@ -539,11 +539,11 @@ def test_kernel_host_ops_counts_the_operators_around_stubbed_kernels():
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = dict(re.findall(r"^([a-z +]+): (\d+ launches \(\d+ NPRF kernels \+ \d+ ATen .*)$", done.stdout, re.M))
-    assert set(rows) == {"forward", "forward + backward", "decode step"}
+    labels = ("forward", "forward + backward", "banded forward", "banded forward + backward", "decode step")
+    assert set(rows) == set(labels)
     counts = {label: [int(x) for x in re.findall(r"(\d+) ", row)[:3]] for label, row in rows.items()}
     # [launches, kernels, ATen operators]
-    assert [counts[label] for label in ("forward", "forward + backward", "decode step")] == [
-        [2, 2, 0], [5, 5, 0], [1, 1, 0]]
+    assert [counts[label] for label in labels] == [[1, 1, 0], [3, 3, 0], [2, 2, 0], [5, 5, 0], [1, 1, 0]]
     assert "cumsum" not in done.stdout
     assert all(float(re.search(r"host (\d+) us", row).group(1)) > 0 for row in rows.values())
     model = re.search(r"^model training step .*: NPRF ([\d.]+) ms, SDPA ([\d.]+) ms$", done.stdout, re.M)
@@ -552,7 +552,8 @@ def test_kernel_host_ops_counts_the_operators_around_stubbed_kernels():
     done = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "kernel_host_ops.py"), "--repeats", "3",
                            "--batch", "2"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert re.search(r"^forward \+ backward: 5 launches \(5 NPRF kernels \+ 0 ATen ", done.stdout, re.M), done.stdout
+    assert re.search(r"^forward \+ backward: 3 launches \(3 NPRF kernels \+ 0 ATen ", done.stdout, re.M), done.stdout
+    assert re.search(r"^banded forward \+ backward: 5 launches \(5 NPRF kernels \+ 0 ATen ", done.stdout, re.M)
 
 # ---- --busy-cores (issue 45): every timing benchmark times its points quiet, then busy, in the same run ----------
 

@@ -14,7 +14,8 @@ LAYERS = {
     "declarations": ("options", "families", "hub", "checkpoint_files"),  # torch-free: the CLI reads them without torch
     "math": ("nprf_schedule", "nprf_cpu_split", "nprf_positions", "nprf_features", "nprf_dense", "nprf_fft", "nprf_near_field", "nprf_banded_far", "nprf_banded_window", "nprf_banded", "nprf_banded_recompute",
              "nprf_terms", "nprf_naive", "nprf_triton_plan", "nprf_triton", "nprf_triton_kernels",
-             "nprf_triton_decode", "nprf_triton_backward", "nprf_dispatch",
+             "nprf_triton_decode", "nprf_triton_backward", "nprf_triton_short", "nprf_triton_short_kernels",
+             "nprf_dispatch",
              "nprf_recurrent", "nprf_context_parallel"),
     # around an attention call and a decode step: the CPU's threads (issue 56), the public functional entry
     "edge": ("nprf_cpu_threads", "functional"),
@@ -149,7 +150,7 @@ LARGE_FUNCTIONS = {
     # Triton kernels (a parameter per pointer, stride and block size) and the custom ops that launch them (a custom
     # op's signature takes tensors and scalars, not objects)
     "nprf_triton_kernels", "nprf_triton_backward", "nprf_triton_decode", "nprf_triton._attention_backward",
-    "nprf_triton._",
+    "nprf_triton._", "nprf_triton_short_kernels", "nprf_triton_short._short_backward", "nprf_triton_short._",
 }
 
 

@@ -15,16 +15,18 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("these tests run the kernels through Triton's interpreter: TRITON_INTERPRET=1", allow_module_level=True)
 pytest.importorskip("triton")
 from nprf_hf import nprf_triton_backward, nprf_triton_decode, nprf_triton_kernels  # noqa: E402
+from nprf_hf import nprf_triton_short_kernels  # noqa: E402
 
 if type(nprf_triton_kernels.nprf_forward_kernel).__name__ != "InterpretedFunction":  # imported before, compiled
     importlib.reload(nprf_triton_kernels)
     importlib.reload(nprf_triton_decode)
     importlib.reload(nprf_triton_backward)
+    importlib.reload(nprf_triton_short_kernels)  # (after the modules whose helpers it calls)
 
 from conftest import tiny_nprf_config  # noqa: E402
 
 from nprf_hf import functional as Fn  # noqa: E402
-from nprf_hf import nprf_triton  # noqa: E402
+from nprf_hf import nprf_triton, nprf_triton_short  # noqa: E402
 from nprf_hf.nprf_naive import naive_attention  # noqa: E402
 
 
@@ -62,13 +64,22 @@ CASES = [  # (n, d, m, width, block, per_head): lengths off the block, a band na
 ]
 
 
-def assert_matches_reference(q, k, v, table, projection, mask, width, causal, block, generator):
+PATHS = ("short", "banded")
+
+
+def on_path(path, monkeypatch):
+    """Makes the kernels' entry (`nprf_triton_short.triton_attention`, what `nprf_attention` calls) take `path` at any
+    length: the short path's kernels, or the banded ones with their block states."""
+    monkeypatch.setattr(nprf_triton_short, "SHORT_LENGTH", 1 << 30 if path == "short" else 0)
+
+
+def assert_matches_reference(q, k, v, table, projection, mask, width, causal, block, generator, attention=None):
     """The kernels' output and the gradients of q, k, v, the bucket table and a drawn logit scale against the float64
-    reference; returns the kernels' gradients."""
+    reference; returns the kernels' gradients. `attention`: the banded kernels' launcher unless given."""
     n = q.shape[2]
     scale = (torch.rand(2, generator=generator) * 2 + 0.5).requires_grad_(True)
-    out = nprf_triton.triton_attention(q, k, v, tied_table_bias(table, n, width), projection, mask, scale,
-                                       width + 1, causal, block=block)
+    attention = nprf_triton.triton_attention if attention is None else attention
+    out = attention(q, k, v, tied_table_bias(table, n, width), projection, mask, scale, width + 1, causal, block=block)
     ref = naive_attention(q, k, v, tied_table_bias(table, n, width), projection, mask, causal, logit_scale=scale)
     assert relative_error(out, ref) < 1e-5
     grad_out = torch.randn(out.shape, generator=generator)
@@ -79,16 +90,60 @@ def assert_matches_reference(q, k, v, table, projection, mask, width, causal, bl
     return got
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("case", CASES)
-def test_values_and_gradients_match_the_float64_reference(case, causal):
+def test_values_and_gradients_match_the_float64_reference(case, causal, path, monkeypatch):
+    """Both paths (the short one's tiles beyond the band take their side's constant: the band of CASES[0] and
+    CASES[2] is narrower than the sequence by more than a block)."""
+    on_path(path, monkeypatch)
     n, d, m, width, block, per_head = case
     generator = torch.Generator().manual_seed(n * 7 + d + int(causal))
     q, k, v, table, projection, mask = inputs(2, 2, n, d, m, width, generator, per_head)
-    got = assert_matches_reference(q, k, v, table, projection, mask, width, causal, block, generator)
+    got = assert_matches_reference(q, k, v, table, projection, mask, width, causal, block, generator,
+                                   nprf_triton_short.triton_attention)
     if mask is not None:  # padded keys get no gradient at all
         assert got[1][~mask[:, None, :, None].expand_as(got[1])].abs().max() == 0
         assert got[2][~mask[:, None, :, None].expand_as(got[2])].abs().max() == 0
+
+
+class CountedLaunch:
+    """A kernel whose launches `kernel[grid](...)` append its name to `launches`, then run."""
+
+    def __init__(self, kernel, name, launches):
+        self.kernel, self.name, self.launches = kernel, name, launches
+
+    def __getitem__(self, grid):
+        self.launches.append(self.name)
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_short_path_runs_up_to_its_crossover(causal, monkeypatch):
+    """The kernels' entry runs the short path's kernels (one forward launch, two backward) up to SHORT_LENGTH tokens
+    and the banded ones (two forward, three backward) beyond; nprf_attention, a model's call, goes through it."""
+    from nprf_hf import nprf_triton_short_kernels as short_kernels
+
+    monkeypatch.setattr(nprf_triton_short, "SHORT_LENGTH", 40)
+    calls, launches = [], []
+    for module, name in ((nprf_triton_short, "_short_forward"), (nprf_triton_short, "_short_backward"),
+                         (nprf_triton, "_attention_forward"), (nprf_triton, "_attention_backward")):
+        count_calls(module, name, calls, monkeypatch)
+    for module in (nprf_triton_kernels, nprf_triton_backward, short_kernels):
+        for name in [name for name in vars(module) if name.endswith("_kernel")]:
+            monkeypatch.setattr(module, name, CountedLaunch(getattr(module, name), name, launches))
+    want = {40: ["_short_forward", "_short_backward"], 41: ["_attention_forward", "_attention_backward"]}
+    for n, expected in want.items():
+        calls.clear(), launches.clear()
+        generator = torch.Generator().manual_seed(n)
+        q, k, v, table, projection, mask = inputs(2, 2, n, 16, 16, 6, generator)
+        out = Fn.nprf_attention(q, k, v, tied_table_bias(table, n, 6), projection, mask, algorithm="triton",
+                                causal=causal, band_width=7)
+        torch.autograd.grad(out, (q, k, v, table), torch.randn(out.shape, generator=generator))
+        assert calls == expected, n
+        assert len(launches) == (3 if n == 40 else 5) and all(("short" in x) == (n == 40) for x in launches), launches
+        ref = naive_attention(q, k, v, tied_table_bias(table, n, 6), projection, mask, causal)
+        assert relative_error(out, ref) < 1e-5
 
 
 @pytest.mark.parametrize("splits", [3, 1])
@@ -123,32 +178,36 @@ def test_launch_plans_are_built_once_per_shape(monkeypatch):
     assert plan.args == (2, 33, 16, 16, 16, 3, 3) and plan.grid == (3, 2)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_a_bias_far_from_zero_is_shifted_in_the_kernels(causal):
+def test_a_bias_far_from_zero_is_shifted_in_the_kernels(causal, path, monkeypatch):
     """The kernels take exp(b_r - max b) from the bias itself (no exp on the host): a bias 300 above zero (exp
     overflows fp32) or below (underflows) gives the values and gradients of the bias as it is."""
+    on_path(path, monkeypatch)
     n, d, m, width, block = 45, 16, 16, 6, 16
     generator = torch.Generator().manual_seed(5 + int(causal))
     q, k, v, table, projection, mask = inputs(2, 2, n, d, m, width, generator)
     grad_out = torch.randn(2, 2, n, d, generator=generator)
     results = []
     for offset in (0.0, 300.0, -300.0):
-        out = nprf_triton.triton_attention(q, k, v, tied_table_bias(table, n, width) + offset, projection, mask, None,
-                                           width + 1, causal, block=block)
+        out = nprf_triton_short.triton_attention(q, k, v, tied_table_bias(table, n, width) + offset, projection, mask,
+                                                 None, width + 1, causal, block=block)
         results.append((out, *torch.autograd.grad(out, (q, k, table), grad_out)))
     for shifted in results[1:]:
         for a, b in zip(shifted, results[0]):
             assert relative_error(a, b) < 1e-5
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[3]])
-def test_the_bias_gradient_by_diagonals_equals_the_reference(case, causal, monkeypatch):
+def test_the_bias_gradient_by_diagonals_equals_the_reference(case, causal, path, monkeypatch):
     """DIAGONAL_SUMS (each band tile's bias gradient summed per diagonal, one atomic add per diagonal): the bias
     table's gradient equals the float64 reference and the per-pair atomics', at lengths off the block, a band wider
     than the sequence, and with padding; nothing is written outside a sequence's row (the batch's rows differ)."""
     if not nprf_triton_backward.HAS_GATHER:
         pytest.skip("this Triton has no tl.gather")
+    on_path(path, monkeypatch)
     n, d, m, width, block, per_head = case
     generator = torch.Generator().manual_seed(11 * n + int(causal))
     q, k, v, table, projection, mask = inputs(3, 2, n, d, m, width, generator, per_head)
@@ -156,8 +215,8 @@ def test_the_bias_gradient_by_diagonals_equals_the_reference(case, causal, monke
     grads = {}
     for diagonals in (False, True):
         monkeypatch.setattr(nprf_triton, "DIAGONAL_SUMS", diagonals)
-        out = nprf_triton.triton_attention(q, k, v, tied_table_bias(table, n, width), projection, mask, None,
-                                           width + 1, causal, block=block)
+        out = nprf_triton_short.triton_attention(q, k, v, tied_table_bias(table, n, width), projection, mask, None,
+                                                 width + 1, causal, block=block)
         grads[diagonals] = torch.autograd.grad(out, table, grad_out)[0]
     ref = naive_attention(q, k, v, tied_table_bias(table, n, width), projection, mask, causal)
     want = torch.autograd.grad(ref, table, grad_out.double())[0]
@@ -165,13 +224,15 @@ def test_the_bias_gradient_by_diagonals_equals_the_reference(case, causal, monke
     assert relative_error(grads[True], grads[False]) < 1e-5
 
 
-def test_a_second_derivative_is_a_clear_error():
+@pytest.mark.parametrize("path", PATHS)
+def test_a_second_derivative_is_a_clear_error(path, monkeypatch):
     """The kernels compute first derivatives only: differentiating their backward raises (eager and op alike), rather
     than returning gradients without the attention's second-order terms."""
+    on_path(path, monkeypatch)
     generator = torch.Generator().manual_seed(8)
     q, k, v, table, projection, mask = inputs(1, 2, 20, 16, 16, 4, generator, pad=False)
-    out = nprf_triton.triton_attention(q, k, v, tied_table_bias(table, 20, 4), projection, None, None, 5, False,
-                                       block=16)
+    out = nprf_triton_short.triton_attention(q, k, v, tied_table_bias(table, 20, 4), projection, None, None, 5, False,
+                                             block=16)
     (grad_q,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable|twice"):
         grad_q.sum().backward()
@@ -200,17 +261,26 @@ def test_fp32_inputs_take_tf32_products_on_cuda_only_where_torch_allows_them(mon
         torch.set_float32_matmul_precision("highest")
 
 
+def count_calls(module, name, calls, monkeypatch):
+    """Appends `name` to `calls` whenever module.`name` (a launcher's implementation) runs."""
+    original = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a: calls.append(name) or original(*a))
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_the_public_function_runs_the_kernels(causal, monkeypatch):
+def test_the_public_function_runs_the_kernels(causal, path, monkeypatch):
     """nprf_attention(algorithm="triton") is the kernels (not a fallback), equal to "banded"; rows without keys are
     zeros; the band width is inferred when not given."""
+    on_path(path, monkeypatch)
     generator = torch.Generator().manual_seed(3)
     n, width = 40, 7
     q, k, v, table, projection, mask = inputs(3, 2, n, 16, 16, width, generator)
     bias = tied_table_bias(table, n, width).detach()
     calls = []
-    original = nprf_triton._attention_forward  # (what an eager call runs: the op's implementation, not its dispatch)
-    monkeypatch.setattr(nprf_triton, "_attention_forward", lambda *a: calls.append(1) or original(*a))
+    # (what an eager call runs: the op's implementation, not its dispatch)
+    count_calls(*((nprf_triton_short, "_short_forward") if path == "short" else (nprf_triton, "_attention_forward")),
+                calls, monkeypatch)
     out = Fn.nprf_attention(q, k, v, bias, projection, mask, algorithm="triton", causal=causal)
     banded = Fn.nprf_attention(q, k, v, bias, projection, mask, algorithm="banded", causal=causal, band_width=width + 1)
     assert calls, "algorithm='triton' did not run the kernels"
@@ -219,15 +289,18 @@ def test_the_public_function_runs_the_kernels(causal, monkeypatch):
         assert out[0, :, :2].abs().max() == 0
 
 
-def test_half_precision_inputs():
-    """bf16 q, k, v: bf16 operands with fp32 accumulation, within bf16's rounding of the float64 reference."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("path", PATHS)
+def test_half_precision_inputs(path, dtype, monkeypatch):
+    """bf16 (fp16) q, k, v: 16-bit operands with fp32 accumulation, within bf16's rounding of the float64 reference."""
+    on_path(path, monkeypatch)
     generator = torch.Generator().manual_seed(5)
     n, width = 48, 8
     q, k, v, table, projection, mask = inputs(2, 2, n, 16, 16, width, generator)
     bias = tied_table_bias(table, n, width).detach()
-    q, k, v = (t.detach().bfloat16().requires_grad_(True) for t in (q, k, v))
+    q, k, v = (t.detach().to(dtype).requires_grad_(True) for t in (q, k, v))
     out = Fn.nprf_attention(q, k, v, bias, projection, mask, algorithm="triton", band_width=width + 1)
-    assert out.dtype == torch.bfloat16
+    assert out.dtype == dtype
     ref = naive_attention(q, k, v, bias, projection, mask)
     assert relative_error(out, ref) < 2e-2
     grad_q = torch.autograd.grad(out.float().square().sum(), q)[0]
@@ -381,6 +454,7 @@ def test_auto_falls_back_once_when_the_kernels_fail_on_the_device(monkeypatch, c
         raise RuntimeError("PTX assembly failed")
 
     monkeypatch.setattr(nprf_triton, "_attention_forward", broken)
+    monkeypatch.setattr(nprf_triton_short, "_short_forward", broken)
     generator = torch.Generator().manual_seed(2)
     n, width = 30, 4
     q, k, v, table, projection, mask = inputs(2, 2, n, 16, 16, width, generator)
@@ -462,9 +536,10 @@ def test_generation_through_the_kernels():
 
 
 def test_the_ops_pass_opcheck():
-    """The forward, backward and decode ops: schema, fake (shape-only) implementations against the real ones, and
-    the autograd registration (torch.library.opcheck), at a tiny shape with key padding and a logit scale; q, k, v
-    are transposed views [B, n, H, d] -> [B, H, n, d], as a model's (the ops return contiguous tensors)."""
+    """The forward, backward and decode ops (the short path's forward and backward too): schema, fake (shape-only)
+    implementations against the real ones, and the autograd registration (torch.library.opcheck), at a tiny shape
+    with key padding and a logit scale; q, k, v are transposed views [B, n, H, d] -> [B, H, n, d], as a model's (the
+    ops return contiguous tensors)."""
     generator = torch.Generator().manual_seed(31)
     n = 20  # two blocks of 16, one sequence, one head: few programs for the interpreter
     _, _, _, _, projection, mask = inputs(1, 1, n, 16, 16, 4, generator)
@@ -477,6 +552,10 @@ def test_the_ops_pass_opcheck():
     plain = [t.detach() for t in args[:6]]
     torch.library.opcheck(nprf_triton.attention_backward,
                           (*plain, mask, *saved, torch.randn(q.shape, generator=generator), True, 1, 16, 4, True))
+    torch.library.opcheck(nprf_triton_short.short_forward, args)
+    saved = [t.detach() for t in nprf_triton_short.short_forward(*args)]
+    torch.library.opcheck(nprf_triton_short.short_backward,
+                          (*plain, mask, *saved, torch.randn(q.shape, generator=generator), True, 1, 16, 4, True))
     state = [torch.rand(2, 2, 16, 17, generator=generator), torch.rand(2, 2, 3, 16, generator=generator),
              torch.rand(2, 2, 3, 17, generator=generator)]
     token = [torch.randn(2, 2, 1, 16, generator=generator) for _ in range(3)]
@@ -487,13 +566,15 @@ def test_the_ops_pass_opcheck():
 
 
 @pytest.mark.filterwarnings("ignore:Your compiler for AOTAutograd")
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_compiled_calls_run_the_kernels_without_a_graph_break(causal):
+def test_compiled_calls_run_the_kernels_without_a_graph_break(causal, path, monkeypatch):
     """torch.compile(fullgraph=True) of nprf_attention(algorithm="triton") traces the kernels' ops (forward in the
-    forward graph, backward in the backward graph): values and the gradients of q, k, v, the bias table and the
-    logit scale equal eager's."""
+    forward graph, backward in the backward graph), either path's: values and the gradients of q, k, v, the bias
+    table and the logit scale equal eager's."""
     from torch._dynamo.testing import AotEagerAndRecordGraphs
 
+    on_path(path, monkeypatch)
     torch._dynamo.reset()
     generator = torch.Generator().manual_seed(41 + causal)
     n, width = 36, 5
@@ -514,9 +595,9 @@ def test_compiled_calls_run_the_kernels_without_a_graph_break(causal):
     assert relative_error(compiled, eager) < 1e-6
     for name, a, b in zip(("q", "k", "v", "table", "logit_scale"), got, want):
         assert relative_error(a, b) < 1e-6, name
-    library = nprf_triton._LIBRARY
-    assert f"{library}.attention_forward" in backend.fw_graphs[0].code
-    assert f"{library}.attention_backward" in backend.bw_graphs[0].code
+    library, op = nprf_triton._LIBRARY, "short" if path == "short" else "attention"
+    assert f"{library}.{op}_forward" in backend.fw_graphs[0].code
+    assert f"{library}.{op}_backward" in backend.bw_graphs[0].code
     torch._dynamo.reset()
 
 
@@ -554,6 +635,31 @@ def test_compiled_auto_falls_back_without_a_graph_break(monkeypatch, caplog):
 
 
 @pytest.mark.filterwarnings("ignore:Your compiler for AOTAutograd")
+def test_compiled_auto_falls_back_when_the_short_kernels_fail(monkeypatch, caplog):
+    """Compiled "auto" probes the short path's kernels as well as the banded ones (once per device and dtype): where
+    the short path's fail, the compiled calls there run PyTorch's path (no graph break), said once."""
+    from nprf_hf import nprf_dispatch
+
+    routing = nprf_dispatch.Routing(kernel_devices=("cpu",))
+    for cached in (nprf_triton._log_once, nprf_triton._probe, nprf_triton_short._probe):
+        cached.cache_clear()
+    q, k, v, bias, projection, mask, *_, width = segment_case(14)
+    monkeypatch.setattr(nprf_triton_short, "short_forward", lambda *a: 1 / 0)
+
+    def attention(q, k, v):
+        return Fn.nprf_attention(q, k, v, bias, projection, mask, band_width=width + 1, routing=routing)
+
+    torch._dynamo.reset()
+    with caplog.at_level(logging.WARNING, logger="nprf_hf.nprf_triton"):
+        out = torch.compile(attention, backend="aot_eager", fullgraph=True)(q, k, v)
+    said = [r.getMessage() for r in caplog.records if "Triton kernels do not run" in r.getMessage()]
+    assert len(said) == 1 and "ZeroDivisionError" in said[0]
+    nprf_triton_short._probe.cache_clear()  # (the failure was this test's own)
+    assert relative_error(out, naive_attention(q, k, v, bias, projection, mask)) < 1e-5
+    torch._dynamo.reset()
+
+
+@pytest.mark.filterwarnings("ignore:Your compiler for AOTAutograd")
 def test_compiled_auto_runs_the_kernels_in_a_model(monkeypatch):
     """Under torch.compile "auto" is the kernels on a CUDA device too (the CPU plays one here): a tiny model compiled
     with fullgraph=True runs the forward op and equals the eager PyTorch algorithms in logits and gradients; a
@@ -578,7 +684,7 @@ def test_compiled_auto_runs_the_kernels_in_a_model(monkeypatch):
     model.zero_grad()
     logits = torch.compile(model, backend=backend, fullgraph=True)(input_ids=ids, attention_mask=attention_mask).logits
     logits.square().mean().backward()
-    assert f"{nprf_triton._LIBRARY}.attention_forward" in backend.fw_graphs[0].code
+    assert f"{nprf_triton._LIBRARY}.short_forward" in backend.fw_graphs[0].code  # (40 tokens: the short path)
     assert relative_error(logits, eager) < 1e-5
     for name, grad in want.items():
         assert relative_error(model.get_parameter(name).grad, grad) < 1e-4, name
