@@ -163,7 +163,7 @@ def variants(archs, inputs, calls, all_flags, tiles):
                 continue
             for call in calls:
                 flags = " ".join(f for f in ("decode", *FLAGS) if call.get(f)) or "-"
-                if not call.get("decode") and nprf_triton_short.takes_short_path(call.get("length", LENGTH)):
+                if not call.get("decode") and call.get("length", LENGTH) <= nprf_triton_short.SHORT_LENGTH:
                     flags = f"n={call['length']} {flags}"
                 for kernel, args, kwargs in record(dict(call, dtype=dtype, half=half)):
                     for arch in archs:

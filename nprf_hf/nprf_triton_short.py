@@ -28,9 +28,17 @@ from .nprf_triton import BLOCK, NUM_WARPS, _LIBRARY, _features, _launch, _mask_a
 SHORT_LENGTH = 1024
 
 
-def takes_short_path(n):
-    """Whether a call of n tokens runs the short path's kernels (read at every call: tests change SHORT_LENGTH)."""
-    return n <= SHORT_LENGTH
+def takes_short_path(n, device):
+    """Whether a call of n tokens on `device` runs the short path's kernels (read at every call: tests change
+    SHORT_LENGTH)."""
+    return n <= SHORT_LENGTH and short_path_fits(device)
+
+
+@torch.compiler.assume_constant_result
+def short_path_fits(device):
+    """False on CUDA devices before sm_90: ptxas spills the short key-gradient kernel there (about 26 KB a thread at
+    sm_80 bf16, benchmarks/kernel_resources.py), so they keep the banded kernels until it is reworked."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def triton_cannot_run(query):
@@ -68,7 +76,7 @@ def triton_attention(query, key, value, rpe_bias, projection, key_padding_mask, 
                      block=BLOCK, num_warps=NUM_WARPS):
     """`nprf_triton.triton_attention`'s call, the same arguments and result: the short path's kernels up to
     SHORT_LENGTH tokens, the banded kernels beyond."""
-    attention = _short_attention if takes_short_path(query.shape[2]) else nprf_triton.triton_attention
+    attention = _short_attention if takes_short_path(query.shape[2], query.device) else nprf_triton.triton_attention
     return attention(query, key, value, rpe_bias, projection, key_padding_mask, logit_scale, band_width, causal, block,
                      num_warps)
 

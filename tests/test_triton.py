@@ -146,6 +146,18 @@ def test_the_short_path_runs_up_to_its_crossover(causal, monkeypatch):
         assert relative_error(out, ref) < 1e-5
 
 
+def test_the_short_path_only_on_devices_it_compiles_well_for(monkeypatch):
+    """Before sm_90 the short key-gradient kernel spills (ptxas, about 26 KB a thread at sm_80): those devices keep
+    the banded kernels at every length; sm_90 and later, and the interpreter's CPU tensors, take the short path."""
+    capability = [(8, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    assert not nprf_triton_short.takes_short_path(128, torch.device("cuda"))
+    capability[0] = (9, 0)
+    assert nprf_triton_short.takes_short_path(128, torch.device("cuda"))
+    assert not nprf_triton_short.takes_short_path(nprf_triton_short.SHORT_LENGTH + 1, torch.device("cuda"))
+    assert nprf_triton_short.takes_short_path(128, torch.device("cpu"))
+
+
 @pytest.mark.parametrize("splits", [3, 1])
 @pytest.mark.parametrize("causal", [False, True])
 def test_the_block_states_scan_in_two_levels_matches_the_reference(causal, splits, monkeypatch):
