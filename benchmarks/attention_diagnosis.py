@@ -137,9 +137,10 @@ def report(name, stats, worst=8):
                                                      for k, v in sorted(patterns.items())))
 
 
-def transferred_student(teacher_path, tokenizer, variant, scale, steps, text_path, seed):
-    """The source converted with `variant` (logit scale up to `scale`; 0: none) and transferred `steps` steps."""
-    overrides = {"attention_variant": variant}
+def transferred_student(teacher_path, tokenizer, variant, scale, steps, text_path, seed, terms=()):
+    """The source converted with `variant` (logit scale up to `scale`; 0: none; `terms`: boolean config fields
+    switched on, e.g. first_token_bias) and transferred `steps` steps."""
+    overrides = {"attention_variant": variant, **{term: True for term in terms}}
     if scale:
         overrides["logit_scale_max"] = float(scale)
     teacher = AutoModel.from_pretrained(teacher_path)
@@ -155,7 +156,8 @@ def main(argv=None):
     parser.add_argument("--teacher", default=default_teacher(), help="the softmax source (default: MiniLM of the wheel)")
     parser.add_argument("--student", default=None, help="a converted folder (else --variants converts and transfers)")
     parser.add_argument("--variants", nargs="+", default=["normalized_softmax:30", "nprf:8", "nprf_near:30"],
-                        help="VARIANT:LOGIT_SCALE_MAX (0 = none), each converted and transferred on its own")
+                        help="VARIANT:LOGIT_SCALE_MAX[+TERM...] (0 = none; TERM: a boolean config field switched on, "
+                        "e.g. first_token_bias), each converted and transferred on its own")
     parser.add_argument("--transfer-steps", type=int, default=150)
     parser.add_argument("--transfer-text", default=os.path.join(DATA, "wikitext-2", "valid.txt"))
     parser.add_argument("--held-out", default=os.path.join(DATA, "glue", "SST-2", "dev.tsv"),
@@ -182,9 +184,10 @@ def main(argv=None):
         students[args.student] = lambda: AutoModel.from_pretrained(args.student, trust_remote_code=True).eval()
     else:
         for spec in args.variants:
-            variant, _, scale = spec.partition(":")
-            students[spec] = (lambda v=variant, s=scale: transferred_student(
-                args.teacher, tokenizer, v, float(s or 0), args.transfer_steps, args.transfer_text, args.seed))
+            variant, _, rest = spec.partition(":")
+            scale, *terms = rest.split("+")
+            students[spec] = (lambda v=variant, s=scale, t=tuple(terms): transferred_student(
+                args.teacher, tokenizer, v, float(s or 0), args.transfer_steps, args.transfer_text, args.seed, t))
     results = {label: {} for label in held_out}
     for name, build in students.items():
         start = time.perf_counter()

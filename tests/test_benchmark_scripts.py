@@ -849,3 +849,19 @@ def test_side_by_side_times_every_workload_in_both_trees(tmp_path, capsys):
     with pytest.raises(SystemExit):
         script.main(["--against", str(tmp_path)])
     assert "name another checkout of this repository" in capsys.readouterr().err
+
+
+@needs_minilm
+def test_attention_diagnosis_variant_spec_switches_terms_on():
+    """VARIANT:SCALE+TERM: the student is converted with that boolean term on (here the first-key bias), the scale
+    bounded, and an unknown spec part reaches the config's own check."""
+    from transformers import AutoTokenizer
+
+    diagnosis = load_script("attention_diagnosis")
+    teacher = diagnosis.default_teacher()
+    tokenizer = AutoTokenizer.from_pretrained(teacher)
+    student = diagnosis.transferred_student(teacher, tokenizer, "nprf_near", 30.0, 0, None, 0, ("first_token_bias",))
+    assert student.config.first_token_bias is True and student.config.logit_scale_max == 30.0
+    assert student.config.attention_variant == "nprf_near"
+    with pytest.raises((TypeError, ValueError)):
+        diagnosis.transferred_student(teacher, tokenizer, "nprf", 8.0, 0, None, 0, ("no_such_term",))
