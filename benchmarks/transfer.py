@@ -50,6 +50,8 @@ VARIANTS = {
     # the exact near field (issue 54): the RPE band's pairs exact, NPRF beyond
     "near8": ({"attention_variant": "nprf_near", "logit_scale_max": 8.0}, {}),
     "near30": ({"attention_variant": "nprf_near", "logit_scale_max": 30.0}, {}),
+    # + the first-key bias: what the near field still misses is the sinks on [CLS] (attention_diagnosis.py)
+    "near30-sink": ({"attention_variant": "nprf_near", "logit_scale_max": 30.0, "first_token_bias": True}, {}),
     "sink": ({"first_token_bias": True}, {}),
     "scale8-sink": ({"logit_scale_max": 8.0, "first_token_bias": True}, {}),
 }

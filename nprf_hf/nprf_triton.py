@@ -73,14 +73,14 @@ def kernels_fail_on(device, dtype):
     return _probe(device, dtype)
 
 
-@functools.cache  # (once per process, device and dtype: the kernels build there or not)
-def _probe(device, dtype):
+@functools.cache  # (once per process, device, dtype and entry, default `triton_attention`: they build there or not)
+def _probe(device, dtype, attention=None):
     try:
         with torch.enable_grad():
             q, k, v = (torch.randn(1, 1, BLOCK + 1, 16, device=device, dtype=dtype, requires_grad=True)
                        for _ in range(3))
             bias, projection = torch.zeros(1, 2 * BLOCK + 1, device=device), torch.randn(16, 16, device=device)
-            triton_attention(q, k, v, bias, projection, None, None, 2, False).sum().backward()
+            (attention or triton_attention)(q, k, v, bias, projection, None, None, 2, False).sum().backward()
     except Exception as error:  # noqa: BLE001
         reason = f"the kernels failed here ({type(error).__name__}: {error})"
         log_fallback_once(reason)

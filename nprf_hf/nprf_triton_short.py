@@ -11,7 +11,6 @@ Its launches are custom ops as the banded path's (`short_forward` with its autog
 library, with shape-only fakes; eager calls run their implementations through a plain autograd.Function.
 """
 
-import functools
 from typing import Optional
 
 import torch
@@ -54,22 +53,13 @@ def triton_cannot_run(query):
 def short_kernels_fail_on(device, dtype):
     """None where the short path's kernels build and run on `device` in `dtype`, else why not (as
     `nprf_triton.kernels_fail_on`: once per process, device and dtype; a failure is said once)."""
-    return _probe(device, dtype)
+    return nprf_triton._probe(device, dtype, _short_path)
 
 
-@functools.cache  # (once per process, device and dtype: the kernels build there or not)
-def _probe(device, dtype):
-    try:
-        with torch.enable_grad():
-            q, k, v = (torch.randn(1, 1, BLOCK + 1, 16, device=device, dtype=dtype, requires_grad=True)
-                       for _ in range(3))
-            bias, projection = torch.zeros(1, 2 * BLOCK + 1, device=device), torch.randn(16, 16, device=device)
-            _short_attention(q, k, v, bias, projection, None, None, 2, False, BLOCK, NUM_WARPS).sum().backward()
-    except Exception as error:  # noqa: BLE001
-        reason = f"the kernels failed here ({type(error).__name__}: {error})"
-        nprf_triton.log_fallback_once(reason)
-        return reason
-    return None
+def _short_path(query, key, value, rpe_bias, projection, key_padding_mask, logit_scale, band_width, causal):
+    """The short path's kernels at the default tile (what `short_kernels_fail_on` probes)."""
+    return _short_attention(query, key, value, rpe_bias, projection, key_padding_mask, logit_scale, band_width, causal,
+                            BLOCK, NUM_WARPS)
 
 
 def triton_attention(query, key, value, rpe_bias, projection, key_padding_mask, logit_scale, band_width, causal,
