@@ -18,7 +18,7 @@ except ImportError as error:  # only `nprf_triton` imports this file, after chec
     raise ImportError("the Triton kernels of nprf-hf need the `triton` package: pip install triton") from error
 
 from .nprf_triton_kernels import _band_tile, _bias_shift, _blocks, _dot, _input_grad, _load_features, _load_rows
-from .nprf_triton_kernels import _normalized, _operand, _projection, _store_block
+from .nprf_triton_kernels import _key_side, _normalized, _operand, _projection, _store_block
 
 HAS_GATHER = hasattr(tl, "gather")  # (Triton 3.2+) what `_add_diagonals` needs
 
@@ -206,11 +206,8 @@ def nprf_key_grad_kernel(
             _batch_sum(DC, h, block, N, H, tl.num_programs(1) // H, BT)
     rows_k = block * BT + tl.arange(0, BT)
     cols_v = tl.arange(0, BV)
-    keep = rows_k < N
-    if HAS_MASK:
-        keep = keep & (tl.load(MASK + b * stride_mb + rows_k, mask=rows_k < N, other=0) != 0)
-    phi_k = _load_features(FK, bh, rows_k, N, M, HALF, BM)  # (zero for padded keys: so is their dv)
-    v = _operand(_load_rows(V + b * stride_vb + h * stride_vh, rows_k, N, cols_v, DV, stride_vn, stride_vd), HALF)
+    keep, phi_k, v = _key_side(FK, V, MASK, b, h, bh, rows_k, stride_vb, stride_vh, stride_vn, stride_vd, stride_mb,
+                               N, DV, M, HAS_MASK, HALF, BV, BM)
     c_row = C + h * (2 * N - 1)
     shift = _bias_shift(c_row, N, REACH, BT)
     lo = tl.maximum(block - REACH, 0)

@@ -203,6 +203,31 @@ def _key_block(K, V, MASK, b, h, rows, stride_kb, stride_kh, stride_kn, stride_k
 
 
 @triton.jit
+def _store_output(O, DEN, bh, rows_q, cols_v, numerator, denominator, N, DV):
+    """z = numerator / denominator into O [B, H, N, DV] and the denominator into DEN [B, H, N] (backward reads it);
+    a query with no key gets zeros, and no division by 0."""
+    kept = denominator > 0
+    out = tl.where(kept[:, None], numerator / tl.where(kept, denominator, 1.0)[:, None], 0.0)
+    tl.store(O + (bh * N + rows_q[:, None]) * DV + cols_v[None, :], out.to(O.dtype.element_ty),
+             mask=(rows_q[:, None] < N) & (cols_v[None, :] < DV))
+    tl.store(DEN + bh * N + rows_q, denominator, mask=rows_q < N)
+
+
+@triton.jit
+def _key_side(FK, V, MASK, b, h, bh, rows_k, stride_vb, stride_vh, stride_vn, stride_vd, stride_mb, N, DV, M,
+              HAS_MASK: tl.constexpr, HALF: tl.constexpr, BV: tl.constexpr, BM: tl.constexpr):
+    """(keep [BT]: in range and not padded, phi_k [BT, BM] stored by forward, v [BT, BV] as a dot operand) of a
+    key-gradient program's rows."""
+    keep = rows_k < N
+    if HAS_MASK:
+        keep = keep & (tl.load(MASK + b * stride_mb + rows_k, mask=rows_k < N, other=0) != 0)
+    phi_k = _load_features(FK, bh, rows_k, N, M, HALF, BM)  # (zero for padded keys: so is their dv)
+    v = _operand(_load_rows(V + b * stride_vb + h * stride_vh, rows_k, N, tl.arange(0, BV), DV, stride_vn,
+                            stride_vd), HALF)
+    return keep, phi_k, v
+
+
+@triton.jit
 def nprf_key_states_kernel(
     K, V, W, MASK, ROOT, S, FK,
     stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, stride_mb,
@@ -271,8 +296,4 @@ def nprf_forward_kernel(
         weights = _dot(phi_q, tl.trans(phi_k), HALF) * c
         numerator += _dot(weights, v, HALF)
         denominator += tl.sum(weights, axis=1)
-    kept = denominator > 0  # a query with no key gets zeros (and no division by 0)
-    out = tl.where(kept[:, None], numerator / tl.where(kept, denominator, 1.0)[:, None], 0.0)
-    tl.store(O + (bh * N + rows_q[:, None]) * DV + cols_v[None, :], out.to(O.dtype.element_ty),
-             mask=(rows_q[:, None] < N) & (cols_v[None, :] < DV))
-    tl.store(DEN + bh * N + rows_q, denominator, mask=rows_q < N)
+    _store_output(O, DEN, bh, rows_q, cols_v, numerator, denominator, N, DV)

@@ -21,7 +21,7 @@ except ImportError as error:  # only `nprf_triton_short` imports this file, afte
 
 from .nprf_triton_backward import _add_diagonals, _rows_grad
 from .nprf_triton_kernels import _bias_shift, _dot, _features, _key_block, _load_features, _load_rows, _operand
-from .nprf_triton_kernels import _projection, _store_features
+from .nprf_triton_kernels import _key_side, _projection, _store_features, _store_output
 
 
 @triton.jit
@@ -138,11 +138,7 @@ def nprf_short_forward_kernel(
         weights = _dot(phi_q, tl.trans(_operand(phi_k, HALF)), HALF) * c
         numerator += _dot(weights, _operand(v, HALF), HALF)
         denominator += tl.sum(weights, axis=1)
-    kept = denominator > 0  # a query with no key gets zeros (and no division by 0)
-    out = tl.where(kept[:, None], numerator / tl.where(kept, denominator, 1.0)[:, None], 0.0)
-    tl.store(O + (bh * N + rows_q[:, None]) * DV + cols_v[None, :], out.to(O.dtype.element_ty),
-             mask=(rows_q[:, None] < N) & (cols_v[None, :] < DV))
-    tl.store(DEN + bh * N + rows_q, denominator, mask=rows_q < N)
+    _store_output(O, DEN, bh, rows_q, cols_v, numerator, denominator, N, DV)
 
 
 @triton.jit
@@ -166,11 +162,8 @@ def nprf_short_key_grad_kernel(
             tl.store(DC + h * (2 * N - 1) + at, tl.zeros([2 * BT], dtype=tl.float32), mask=at < 2 * N - 1)
     rows_k = block * BT + tl.arange(0, BT)
     cols_v = tl.arange(0, BV)
-    keep = rows_k < N
-    if HAS_MASK:
-        keep = keep & (tl.load(MASK + b * stride_mb + rows_k, mask=rows_k < N, other=0) != 0)
-    phi_k = _load_features(FK, bh, rows_k, N, M, HALF, BM)  # (zero for padded keys: so is their dv)
-    v = _operand(_load_rows(V + b * stride_vb + h * stride_vh, rows_k, N, cols_v, DV, stride_vn, stride_vd), HALF)
+    keep, phi_k, v = _key_side(FK, V, MASK, b, h, bh, rows_k, stride_vb, stride_vh, stride_vn, stride_vd, stride_mb,
+                               N, DV, M, HAS_MASK, HALF, BV, BM)
     c_row = C + h * (2 * N - 1)
     shift, c_before, c_after = _ends(c_row, N, REACH, BT)
     lo = 0
