@@ -214,9 +214,10 @@ def _nprf_attention(call, route):
     units = []  # the near field's unit vectors: the feature map computes them anyway
     if reads_near and product.in_cache and near_width >= n:  # every pair near: no features to compute
         phi_q = phi_k = None
-    else:
+    else:  # (with the near field, a product may read the features of a few rows only)
+        rows = product.feature_rows(n, near_width) if reads_near and product.feature_rows else None
         phi_q, phi_k = query_key_features(query, key, call.projection, mask, dtype, logit_scale, product.head_major,
-                                          call.variant, units if reads_near else None)
+                                          call.variant, units if reads_near else None, rows)
     near_field = near_field_inputs(query, key, mask, logit_scale, near_width, dtype, units) if reads_near else None
     if product.in_cache and not terms.pair_terms and (near_field is not None or not near):  # it divides in cache too
         return product.run(ToeplitzCall(phi_q, phi_k, value, c, lengths=lengths, normalized=True, near=near_field,

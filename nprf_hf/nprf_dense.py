@@ -19,7 +19,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .nprf_features import NORM_EPS, kept_denominator, row_norms
-from .nprf_near_field import band_of, near_field_kernel
+from .nprf_dense_near import FarPairs, far_grads, far_grads_of_group, far_pairs, near_kernel
+from .nprf_near_field import near_field_kernel
 from .nprf_positions import toeplitz_matrix
 from .nprf_schedule import SERIAL
 
@@ -60,72 +61,31 @@ def _kernel_inputs(phi_q, phi_k, near):
     return phi_q, phi_k, near.query, near.key, near.width, near.key_mask, False
 
 
-def _far_blocks(n, length, width):
-    """(rows, keys) slices of the two corner blocks of an [n, length] kernel that hold every pair with
-    |j - i| >= width: 2 (n - W)^2 of its n^2 pairs; every pair outside them is near. Below n = 2 W they would
-    overlap (and most pairs are far): the whole kernel then."""
-    if 2 * width < n:
-        return [(slice(0, n), slice(0, length))]
-    blocks = []
-    if length > width:  # j - i >= W: queries before length - W, keys from W on
-        blocks.append((slice(0, length - width), slice(width, length)))
-    if n > width:  # i - j >= W: queries from W on, keys before n - W
-        blocks.append((slice(width, n), slice(0, min(n - width, length))))
-    return blocks
+def _feature_scores(phi_q, phi_k, out):
+    """out [h, n, l] = phi_q phi_k^T for phi_q [h, n, m], phi_k [h, l, m]."""
+    return torch.matmul(phi_q, phi_k.transpose(-1, -2), out=out)
 
 
-def _feature_scores(phi_q, phi_k, width, out):
-    """out [h, n, l] = phi_q phi_k^T for phi_q [h, n, m], phi_k [h, l, m]; with a near-field `width` only on
-    `_far_blocks`, zero elsewhere (there every pair is near: its feature score meets a zero far coefficient)."""
-    if width is None:
-        return torch.matmul(phi_q, phi_k.transpose(-1, -2), out=out)
-    out.zero_()
-    for rows, keys in _far_blocks(out.shape[-2], out.shape[-1], width):
-        out[:, rows, keys] = phi_q[:, rows] @ phi_k[:, keys].transpose(-1, -2)
-    return out
-
-
-def _feature_grads(grad_scores, phi_q, phi_k, width, grad_q, grad_k):
-    """grad_q = grad_scores phi_k [h, n, m], grad_k = grad_scores^T phi_q [h, l, m] (None: not needed); with a
-    near-field `width` from `_far_blocks` alone (grad_scores is zero elsewhere)."""
-    if width is None:
-        if grad_q is not None:
-            torch.matmul(grad_scores, phi_k, out=grad_q)
-        if grad_k is not None:
-            torch.matmul(grad_scores.transpose(-1, -2), phi_q, out=grad_k)
-        return
-    for grad in (grad_q, grad_k):
-        if grad is not None:
-            grad.zero_()
-    for rows, keys in _far_blocks(grad_scores.shape[-2], grad_scores.shape[-1], width):
-        block = grad_scores[:, rows, keys]
-        if grad_q is not None:
-            grad_q[:, rows] += block @ phi_k[:, keys]
-        if grad_k is not None:
-            grad_k[:, keys] += block.transpose(-1, -2) @ phi_q[:, rows]
-
-
-def _near_toeplitz(c, n, width):
-    """(C far, C near) [H, n, n]: C without, and only, the pairs closer than `width` (C alone without a width)."""
-    toeplitz = toeplitz_matrix(c, n)
-    if width is None:
-        return toeplitz, None
-    inside = band_of(n, width, c.device)
-    return toeplitz.masked_fill(inside, 0.0), toeplitz.masked_fill(~inside, 0.0)
+def _holes(key_mask, key_lengths):
+    """[B] bools: whether sequence b has a padded key before its last kept one (a hole its length cannot cut off:
+    only then the exact kernel needs the mask; a host sync)."""
+    if key_mask is None:
+        return [False] * len(key_lengths)
+    return [kept < length for kept, length in zip(key_mask.sum(-1).tolist(), key_lengths)]
 
 
 def _dense_forward(phi_q, phi_k, q_near, k_near, width, key_mask, exponential, value, c, key_lengths, normalized,
                    threads=SERIAL):
     """(out, divisors): `dense_toeplitz_inference`'s output and, when normalized, the divisors [B, H, n, 1] used
     (the denominators, inf for rows with no key); the near field given as `_kernel_inputs`."""
-    batch, heads, n, _ = phi_q.shape
+    batch, heads, n, _ = value.shape  # (phi_q may hold the far rows alone)
     d = value.shape[-1]
-    toeplitz, near_toeplitz = _near_toeplitz(c, n, width)
-    near = near_toeplitz is not None
-    group = _head_group(heads, n, phi_q.element_size(), 1 + near)
+    toeplitz = toeplitz_matrix(c, n)
+    holes = _holes(key_mask, key_lengths)
+    far = far_pairs(phi_q, phi_k, n, width, key_lengths) if q_near is not None else None
+    group = _head_group(heads, n, phi_q.element_size(), 1)
     # per slot of `threads` (a sequence per item; on the CPU per thread)
-    buffers = [(phi_q.new_empty(group * n * n), None if normalized else phi_q.new_empty(group, n, d),
-                phi_q.new_empty(group * n * n) if near else None)
+    buffers = [(phi_q.new_empty(group * n * n), None if normalized else phi_q.new_empty(group, n, d))
                for _ in range(threads.slots(batch))]
     out = phi_q.new_empty(batch, heads, n, d if normalized else d + 1)
     divisors = phi_q.new_empty(batch, heads, n, 1) if normalized else None
@@ -137,23 +97,21 @@ def _dense_forward(phi_q, phi_k, q_near, k_near, width, key_mask, exponential, v
             if normalized:
                 divisors[b].fill_(float("inf"))
             return
-        weights_buffer, numerator, exact_buffer = buffers[slot]
+        weights_buffer, numerator = buffers[slot]
+        mask = key_mask[b, :length] if holes[b] else None
         for first in range(0, heads, group):
             last = min(first + group, heads)
             weights = weights_buffer[: (last - first) * n * length].view(last - first, n, length)
-            _feature_scores(phi_q[b, first:last], phi_k[b, first:last, :length], width, weights)
-            if exponential:  # the exact kernel: zero for padded keys
-                weights.exp_()
-                if key_mask is not None:
-                    weights.mul_(key_mask[b, :length])
+            if q_near is not None:
+                near_kernel(q_near[b, first:last], k_near[b, first:last, :length], phi_q, phi_k, far,
+                            (b, slice(first, last)), mask, weights)
+            else:
+                _feature_scores(phi_q[b, first:last], phi_k[b, first:last, :length], weights)
+                if exponential:  # the exact kernel: zero for padded keys
+                    weights.exp_()
+                    if mask is not None:
+                        weights.mul_(mask)
             weights.mul_(toeplitz[first:last, :, :length])
-            if near:
-                exact = exact_buffer[: (last - first) * n * length].view(last - first, n, length)
-                torch.matmul(q_near[b, first:last], k_near[b, first:last, :length].transpose(-1, -2), out=exact)
-                exact.exp_()
-                if key_mask is not None:
-                    exact.mul_(key_mask[b, :length])
-                weights.addcmul_(exact, near_toeplitz[first:last, :, :length])
             if normalized:
                 divisor = divisors[b, first:last]
                 divisor.copy_(kept_denominator(weights.sum(-1, keepdim=True)))
@@ -206,9 +164,9 @@ class _DenseToeplitzProduct(torch.autograd.Function):
     def backward(ctx, grad_out):
         saved = ctx.saved_tensors
         phi_q, c = saved[0], saved[3]
-        batch, heads, n, _ = phi_q.shape
+        batch, heads, n, _ = saved[2].shape  # (the values: phi_q may hold the far rows alone)
         call = _backward_call(ctx, grad_out, saved)
-        need_c, near = ctx.needs_input_grad[8], call.near_toeplitz is not None
+        need_c, near = ctx.needs_input_grad[8], call.q_near is not None
         group = _head_group(heads, n, phi_q.element_size(), 2 + near)
         # per thread, a sequence per thread on the CPU; C's gradient summed per thread, each thread's sequences
         # fixed (`static`), then over the threads in order: the same on every run
@@ -224,14 +182,16 @@ class _DenseToeplitzProduct(torch.autograd.Function):
                 _head_group_backward(call, buffers[slot], b, slice(first, min(first + group, heads)), length)
 
         ctx.threads.items(batch, sequence_backward, static=True)
+        if near:
+            far_grads(call.far, call.phi_q, call.phi_k, call.grad_q, call.grad_k)
         grad_c = _coefficient_grad(c, [buffer[2] for buffer in buffers]) if need_c else None
         return call.grad_q, call.grad_k, call.grad_q_near, call.grad_k_near, None, None, None, call.grad_v, grad_c, None
 
 
 class _DenseBackward(NamedTuple):
-    """One backward of `_DenseToeplitzProduct`: its saved inputs and options, C [H, n, n] split at the near field
-    (`_near_toeplitz`; `inside`: [n, n] |j - i| < width), the upstream gradient of a sequence's heads and the
-    gradients asked for (zero-filled here, None where not asked for)."""
+    """One backward of `_DenseToeplitzProduct`: its saved inputs and options, C [H, n, n], which sequences need the key
+    mask (`_holes`), the upstream gradient of a sequence's heads and the gradients asked for (zero-filled here, None
+    where not asked for)."""
 
     phi_q: torch.Tensor
     phi_k: torch.Tensor
@@ -242,8 +202,8 @@ class _DenseBackward(NamedTuple):
     width: Optional[int]
     exponential: bool
     toeplitz: torch.Tensor
-    near_toeplitz: Optional[torch.Tensor]
-    inside: Optional[torch.Tensor]
+    holes: list
+    far: Optional[FarPairs]  # the near field's
     upstream: Callable  # (b, heads) -> (dL/dnumerator [h, n, d_v], dL/ddenominator [h, n, 1])
     grad_q: Optional[torch.Tensor]
     grad_k: Optional[torch.Tensor]
@@ -255,14 +215,28 @@ class _DenseBackward(NamedTuple):
 def _backward_call(ctx, grad_out, saved):
     """The `_DenseBackward` of `_DenseToeplitzProduct.backward`'s context, upstream gradient and saved tensors."""
     phi_q, phi_k, value, c, q_near, k_near, key_mask, *normalized = saved
-    n = phi_q.shape[-2]
-    toeplitz, near_toeplitz = _near_toeplitz(c, n, ctx.width)
-    inside = band_of(n, ctx.width, c.device) if near_toeplitz is not None else None
+    n = value.shape[-2]
     needs = (*ctx.needs_input_grad[:4], ctx.needs_input_grad[7])
-    asked = [torch.zeros_like(x) if need else None for x, need in zip((phi_q, phi_k, q_near, k_near, value), needs)]
+    asked = [_asked_grad(x, index, ctx.lengths, q_near is not None) if need else None
+             for index, (x, need) in enumerate(zip((phi_q, phi_k, q_near, k_near, value), needs))]
     upstream = _upstream(grad_out, value.shape[-1], normalized if ctx.normalized else None)
-    return _DenseBackward(phi_q, phi_k, value, q_near, k_near, key_mask, ctx.width, ctx.exponential, toeplitz,
-                          near_toeplitz, inside, upstream, *asked)
+    far = far_pairs(phi_q, phi_k, n, ctx.width, ctx.lengths, backward=True) if q_near is not None else None
+    return _DenseBackward(phi_q, phi_k, value, q_near, k_near, key_mask, ctx.width, ctx.exponential,
+                          toeplitz_matrix(c, n), _holes(key_mask, ctx.lengths), far, upstream, *asked)
+
+
+def _asked_grad(x, index, lengths, near):
+    """The gradient of x, input `index` of (phi_q, phi_k, q_near, k_near, value), allocated with zeros where the
+    groups' backward writes nothing: a key's row after its sequence's length, a sequence without keys, the far
+    features' rows off a far block (the near field's compact features: zeros, they are few)."""
+    if near and index < 2:
+        return torch.zeros_like(x)
+    grad = torch.empty_like(x)
+    for b, length in enumerate(lengths):
+        stop = length if index in (1, 3, 4) or length == 0 else x.shape[-2]
+        if stop < x.shape[-2]:
+            grad[b, :, stop:].zero_()
+    return grad
 
 
 def _upstream(grad_out, d, normalized):
@@ -281,59 +255,58 @@ def _upstream(grad_out, d, normalized):
     return rows
 
 
-def _backward_kernels(call, buffer, b, heads, length):
-    """The forward's kernel tiles [h, n, length] of sequence b's `heads`, rebuilt in the slot's buffers: (phi_q .
-    phi_k, or the exact kernel exp(q . k); the near field's exp(q_near . k_near), or None), padded keys' exact
-    kernels zero."""
-    products, _, _, exact_buffer = buffer
-    shape = (heads.stop - heads.start, call.phi_q.shape[-2], length)
-    product = products[: math.prod(shape)].view(shape)
-    _feature_scores(call.phi_q[b, heads], call.phi_k[b, heads, :length], call.width, product)
-    if call.exponential:
-        product.exp_()
-        if call.key_mask is not None:
-            product.mul_(call.key_mask[b, :length])
-    if call.near_toeplitz is None:
-        return product, None
-    exact = exact_buffer[: math.prod(shape)].view(shape)
-    torch.matmul(call.q_near[b, heads], call.k_near[b, heads, :length].transpose(-1, -2), out=exact).exp_()
-    if call.key_mask is not None:
-        exact.mul_(call.key_mask[b, :length])
-    return product, exact
-
-
 def _head_group_backward(call, buffer, b, heads, length):
-    """The gradients of sequence b's `heads` (its first `length` keys) into `call`'s, and C's into the slot's buffer.
-    With the near field, w = (phi_q . phi_k) C_far + exp(q_near . k_near) C_near."""
+    """The gradients of sequence b's `heads` (its first `length` keys) into `call`'s, and C's into the slot's buffer:
+    w = kernel * C with kernel phi_q . phi_k, exp(q . k) (`exponential`), or the near field's (`_near_kernel`)."""
     g, grad_denominator = call.upstream(b, heads)
     scale = call.toeplitz[heads, :, :length]
-    product, exact = _backward_kernels(call, buffer, b, heads, length)
-    near_scale = None if exact is None else call.near_toeplitz[heads, :, :length]
-    grad_weights = buffer[1][: product.numel()].view(product.shape)
+    kernels, grad_buffer, grad_toeplitz, weights_buffer = buffer
+    shape = (heads.stop - heads.start, call.value.shape[-2], length)
+    kernel = kernels[: math.prod(shape)].view(shape)
+    mask = call.key_mask[b, :length] if call.holes[b] else None
+    if call.q_near is not None:
+        near_kernel(call.q_near[b, heads], call.k_near[b, heads, :length], call.phi_q, call.phi_k, call.far,
+                    (b, heads), mask, kernel)
+    else:
+        _feature_scores(call.phi_q[b, heads], call.phi_k[b, heads, :length], kernel)
+        if call.exponential:
+            kernel.exp_()
+            if mask is not None:
+                kernel.mul_(mask)
+    grad_kernel = grad_buffer[: kernel.numel()].view(shape)
     if call.grad_v is not None:  # dL/dv_j = sum_i w_ij dL/dnumerator_i
-        torch.mul(product, scale, out=grad_weights)
-        if exact is not None:
-            grad_weights.addcmul_(exact, near_scale)
-        torch.matmul(grad_weights.transpose(-1, -2), g, out=call.grad_v[b, heads, :length])
+        weights = torch.mul(kernel, scale, out=grad_kernel if weights_buffer is None else
+                            weights_buffer[: kernel.numel()].view(shape))
+        torch.matmul(weights.transpose(-1, -2), g, out=call.grad_v[b, heads, :length])
     # dL/dw_ij = dL/dnumerator_i . v_j + dL/ddenominator_i
-    torch.baddbmm(grad_denominator, g, call.value[b, heads, :length].transpose(-1, -2), out=grad_weights)
-    if buffer[2] is not None:  # dL/dC_ij = dL/dw_ij (phi_q_i . phi_k_j), or exp(q_near . k_near) in the near field
-        grad_toeplitz = buffer[2][heads, :, :length]
-        grad_toeplitz.addcmul_(grad_weights, product)
-        if exact is not None:
-            grad_toeplitz.addcmul_(grad_weights, torch.where(call.inside[:, :length], exact - product, 0.0))
-    if exact is not None and (call.grad_q_near is not None or call.grad_k_near is not None):
-        grad_logits = exact.mul_(grad_weights).mul_(near_scale)  # dL/dlogit = dL/dw exp(logit) C_near
+    torch.baddbmm(grad_denominator, g, call.value[b, heads, :length].transpose(-1, -2), out=grad_kernel)
+    if grad_toeplitz is not None:  # dL/dC_ij = dL/dw_ij kernel_ij
+        grad_toeplitz[heads, :, :length].addcmul_(grad_kernel, kernel)
+    grad_kernel.mul_(scale)  # dL/dkernel
+    phi_q, phi_k = call.phi_q[b, heads], call.phi_k[b, heads, :length]
+    grad_q = None if call.grad_q is None else call.grad_q[b, heads]
+    grad_k = None if call.grad_k is None else call.grad_k[b, heads, :length]
+    if call.q_near is None:
+        if call.exponential:  # dL/d(q_i . k_j) = dL/dkernel_ij kernel_ij
+            grad_kernel.mul_(kernel)
+        _feature_grads(grad_kernel, phi_q, phi_k, grad_q, grad_k)
+        return
+    far_grads_of_group(call.far, grad_kernel, kernel, (b, heads), call.phi_q, call.phi_k, call.grad_q, call.grad_k)
+    if call.grad_q_near is not None or call.grad_k_near is not None:
+        grad_logits = kernel.mul_(grad_kernel)  # dL/dlogit = dL/dkernel exp(logit) (zero for padded keys)
         if call.grad_q_near is not None:
             torch.matmul(grad_logits, call.k_near[b, heads, :length], out=call.grad_q_near[b, heads])
         if call.grad_k_near is not None:
             torch.matmul(grad_logits.transpose(-1, -2), call.q_near[b, heads], out=call.grad_k_near[b, heads, :length])
-    grad_weights.mul_(scale)  # dL/d(phi_q_i . phi_k_j)
-    if call.exponential:  # dL/d(q_i . k_j) = dL/dkernel_ij kernel_ij
-        grad_weights.mul_(product)
-    _feature_grads(grad_weights, call.phi_q[b, heads], call.phi_k[b, heads, :length], call.width,
-                   None if call.grad_q is None else call.grad_q[b, heads],
-                   None if call.grad_k is None else call.grad_k[b, heads, :length])
+
+
+def _feature_grads(grad_scores, phi_q, phi_k, grad_q, grad_k):
+    """grad_q = grad_scores phi_k, grad_k = grad_scores^T phi_q (None: not asked for) for grad_scores [h, n, l],
+    phi_q [h, n, m], phi_k [h, l, m]."""
+    if grad_q is not None:
+        torch.matmul(grad_scores, phi_k, out=grad_q)
+    if grad_k is not None:
+        torch.matmul(grad_scores.transpose(-1, -2), phi_q, out=grad_k)
 
 
 def _coefficient_grad(c, per_slot):

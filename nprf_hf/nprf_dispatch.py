@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from .nprf_banded import banded_chunking, banded_toeplitz_attention, banded_window
 from .nprf_banded_recompute import banded_attention_recomputed
 from .nprf_dense import dense_toeplitz_attention, dense_toeplitz_inference, dense_toeplitz_training
+from .nprf_dense_near import far_rows
 from .nprf_features import compute_dtype
 from .nprf_fft import fft_kernel, fft_toeplitz_attention, fft_toeplitz_inference
 from .nprf_positions import infer_band_width
@@ -29,9 +30,8 @@ logger = logging.getLogger(__name__)
 
 
 class Crossovers(NamedTuple):
-    """Where `auto` switches between one backend's algorithms (`measured_on` says where they were timed).
-    dense_factor*: dense while n <= factor x the banded window (eager autograd, compiled, inference);
-    fft_min_length: without a band, fft from this length on."""
+    """Where `auto` switches between one backend's algorithms (`measured_on` says where they were timed). dense_factor*:
+    dense while n <= factor x the banded window (eager autograd, compiled, inference); fft_min_length: fft from here."""
 
     dense_factor: float
     dense_factor_compiled: float
@@ -219,6 +219,7 @@ class Product(NamedTuple):
     pairwise: bool = False  # builds the n x n pairs anyway: a term's summand is cheapest as an n x n mask too
     weights: bool = False  # the attention from its n x n weights (functional's pipeline computes them)
     items: bool = True  # may be cut into items on the CPU threads (`nprf_cpu_split`)
+    feature_rows: Optional[Callable] = None  # (n, near width) -> the row ranges whose features it reads, near field
 
 
 def _dense(call):
@@ -258,6 +259,7 @@ def _triton_step(step, route):
     return triton_decode_step(*step[:7], step.terms.logit_scale)  # (q, k, v, new mask, state, c, projection)
 
 
+_IN_CACHE = MappingProxyType(dict(in_cache=True, near=True, pairwise=True, feature_rows=far_rows))  # dense, in cache
 # (backend, algorithm, mode) -> what runs. Modes: "autograd" (what torch.compile traces; the row of an algorithm
 # without one for the mode wanted); "training" / "inference", eager with / without autograd; "recompute", only the
 # inputs (and output) kept for backward, else "checkpoint" (the call under activation checkpointing); "weights", from
@@ -266,9 +268,8 @@ def _triton_step(step, route):
 PRODUCTS = MappingProxyType({
     ("torch", "dense", "autograd"): Product(_dense, reads_u=True, near=True, pairwise=True),
     # in cache, a few heads at a time, keys after the last kept one skipped; training rebuilds the weights in backward
-    ("torch", "dense", "training"): Product(_dense_training, in_cache=True, near=True, pairwise=True),
-    ("torch", "dense", "inference"): Product(_dense_inference, in_cache=True, head_major=True, near=True,
-                                             pairwise=True),
+    ("torch", "dense", "training"): Product(_dense_training, **_IN_CACHE),
+    ("torch", "dense", "inference"): Product(_dense_inference, head_major=True, **_IN_CACHE),
     ("torch", "dense", "weights"): Product(None, pairwise=True, weights=True, items=False),
     ("torch", "fft", "autograd"): Product(_fft, reads_u=True),  # (takes its inference mode itself without autograd)
     ("torch", "fft", "inference"): Product(_fft_inference, reads_u=True),
@@ -361,8 +362,7 @@ def _attention_route(call, requested, kernels):
 
 def toeplitz_product(route, inference):
     """The product row functional's pipeline runs for `route`: its own where it is "weights"; eager, the algorithm's
-    "inference" row (nothing the product reads requires grad) or "training" row; compiled, or where it has none, its
-    "autograd" row."""
+    "inference" row (nothing it reads requires grad) or "training" row; compiled, or where it has none, "autograd"."""
     mode = "autograd" if torch.compiler.is_compiling() else "inference" if inference else "training"
     mode = "weights" if route.mode == "weights" else mode
     row = PRODUCTS.get((route.backend, route.algorithm, mode))

@@ -70,10 +70,11 @@ def positive_random_features(x, projection):
     return _feature_exponent(_project(x, projection), squared_norm, projection.shape[-2])
 
 
-def normalized_features(x, projection, logit_scale=None, head_major=False, with_units=False):
+def normalized_features(x, projection, logit_scale=None, head_major=False, with_units=False, rows=None):
     """phi(sqrt(s) x / |x|) for x [B, H, n, d] (zero rows stay zero, as in F.normalize). `logit_scale` s [H]
     (None = 1) scales both sides, so phi(q).phi(k) estimates exp(s q.k). `with_units`: (phi, sqrt(s) x / |x|),
-    the unit vectors that the exact near field's logits need too.
+    the unit vectors that the exact near field's logits need too. `rows`: [(start, stop)] the only rows whose
+    features a consumer reads: the features [B, H, r, m] of these ranges, one after the other.
 
     head_major: (a per-head projection [H, m, d]) the features are a [B, H, n, m] view of [H, B, n, m]
         storage: one matmul per head over every sequence, without a copy of the projection per sequence;
@@ -87,7 +88,7 @@ def normalized_features(x, projection, logit_scale=None, head_major=False, with_
     # |x_hat|^2 / 2 + log(m) / 2. (Padded keys are zeroed after the map, not here with an exponent of -inf:
     # exp is many times slower on -inf and other underflowing inputs.)
     shift = 0.5 * (norm * inverse).square() + 0.5 * math.log(num_features)
-    if head_major and projection.dim() == 3:
+    if head_major and projection.dim() == 3 and rows is None:
         batch, heads, n, d = x.shape
         projection = projection.to(device=x.device, dtype=x.dtype)
         scaled = x.new_empty(heads, batch, n, d)  # x_hat, written once in head-major order (cheaper than W x when d < m)
@@ -100,8 +101,18 @@ def normalized_features(x, projection, logit_scale=None, head_major=False, with_
     # negated shift rather than subtracting it: backward then negates the [B, H, n, 1] sum, not the [B, H, n, m]
     # gradient (a pass over the features that short inputs feel).
     units = x * inverse
-    features = _project(units, projection).add_(-shift).exp_()
+    if rows is None:
+        features = _project(units, projection).add_(-shift).exp_()
+    else:  # (the near field's dense product: the unit vectors of every row, the features of a few, compact)
+        features = _project(_rows(units, rows), projection).add_(-_rows(shift, rows)).exp_()
     return (features, units) if with_units else features
+
+
+def _rows(x, rows, dim=2):
+    """x [B, H, n, f] (or any x along `dim`) cut to `rows` ([(start, stop)], one after the other): [B, H, r, f]."""
+    if rows == [(0, x.shape[dim])]:
+        return x
+    return torch.cat([x.narrow(dim, start, stop - start) for start, stop in rows], dim=dim)
 
 
 def empty_like_query(query, dv, dtype=None):
@@ -158,19 +169,20 @@ def variant_features(x, projection, variant="nprf", logit_scale=None):
 
 
 def query_key_features(query, key, projection, mask, dtype, logit_scale=None, head_major=False, variant="nprf",
-                       units=None):
+                       units=None, rows=None):
     """phi(q_hat), phi(k_hat) [B, H, n, m] in `dtype` (the variant's feature map), padded keys zeroed (after the
-    map: phi(0) != 0). `units`: a list that gets the unit vectors sqrt(s) q / |q|, sqrt(s) k / |k| ("nprf_near")."""
+    map: phi(0) != 0). `units`: a list that gets the unit vectors sqrt(s) q / |q|, sqrt(s) k / |k| ("nprf_near");
+    `rows`: as `normalized_features` takes it, for both (their features [B, H, r, m] then)."""
     if variant in ("nprf", "nprf_near"):
-        phi_q = normalized_features(query.to(dtype), projection, logit_scale, head_major, units is not None)
-        phi_k = normalized_features(key.to(dtype), projection, logit_scale, head_major, units is not None)
+        phi_q = normalized_features(query.to(dtype), projection, logit_scale, head_major, units is not None, rows)
+        phi_k = normalized_features(key.to(dtype), projection, logit_scale, head_major, units is not None, rows)
         if units is not None:
             (phi_q, q_unit), (phi_k, k_unit) = phi_q, phi_k
             units.extend((q_unit, k_unit))
     else:
         phi_q, phi_k = (variant_features(x.to(dtype), projection, variant) for x in (query, key))
     if mask is not None:  # in place when autograd does not need the features as they are
-        keep = mask[:, None, :, None]
+        keep = (mask if rows is None else _rows(mask, rows, dim=1))[:, None, :, None]
         phi_k = phi_k * keep if torch.is_grad_enabled() and phi_k.requires_grad else phi_k.mul_(keep)
     return phi_q, phi_k
 

@@ -12,7 +12,7 @@ PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # A new module must be given a layer here: where it sits is a design decision, not an accident.
 LAYERS = {
     "declarations": ("options", "families", "hub", "checkpoint_files"),  # torch-free: the CLI reads them without torch
-    "math": ("nprf_schedule", "nprf_cpu_split", "nprf_positions", "nprf_features", "nprf_dense", "nprf_fft", "nprf_near_field", "nprf_banded_far", "nprf_banded_window", "nprf_banded", "nprf_banded_recompute",
+    "math": ("nprf_schedule", "nprf_cpu_split", "nprf_positions", "nprf_features", "nprf_dense_near", "nprf_dense", "nprf_fft", "nprf_near_field", "nprf_banded_far", "nprf_banded_window", "nprf_banded", "nprf_banded_recompute",
              "nprf_terms", "nprf_naive", "nprf_triton_plan", "nprf_triton", "nprf_triton_kernels",
              "nprf_triton_decode", "nprf_triton_backward", "nprf_triton_short", "nprf_triton_short_kernels",
              "nprf_dispatch",
