@@ -109,10 +109,12 @@ def normalized_features(x, projection, logit_scale=None, head_major=False, with_
 
 
 def _rows(x, rows, dim=2):
-    """x [B, H, n, f] (or any x along `dim`) cut to `rows` ([(start, stop)], one after the other): [B, H, r, f]."""
+    """x [B, H, n, f] (or any x along `dim`) cut to `rows` ([(start, stop)], one after the other): [B, H, r, f]. (One
+    index_select: its backward is one scatter into zeros, where a cat of slices zero-fills x's size per slice.)"""
     if rows == [(0, x.shape[dim])]:
         return x
-    return torch.cat([x.narrow(dim, start, stop - start) for start, stop in rows], dim=dim)
+    index = torch.cat([torch.arange(start, stop, device=x.device) for start, stop in rows])
+    return x.index_select(dim, index)
 
 
 def empty_like_query(query, dv, dtype=None):
