@@ -1,7 +1,8 @@
 """This checkout against another one on the CPU, side by side in one run: attention alone (nprf and nprf_near,
 forward and forward + backward, B x n points as `auto` runs them), compiled attention (torch.compile, aot_eager),
-a GLUE-length training step of a MiniLM-sized classifier (32 x 128, dynamic padding) and a decode step of a
-RoBERTa-base-sized decoder after a prefill; quiet, then again with `--busy-cores` spun by a competing load.
+a GLUE-length training step of a MiniLM-sized classifier (32 x 128, rows of 64-128 tokens), its steps on real GLUE
+dev batches (SST-2, CoLA, MRPC: shuffled batches of 32 padded to their longest, as a Trainer runs them) and a decode
+step of a RoBERTa-base-sized decoder after a prefill; quiet, then again with `--busy-cores` spun by a competing load.
 
     git worktree add /tmp/main main
     python benchmarks/side_by_side.py --against /tmp/main --busy-cores 0 \
@@ -52,18 +53,52 @@ def attention_call(inputs, n, variant, backward, compiled=False):
 
 def glue_step(batch, n, variant):
     """One training step (forward, loss, backward) of a MiniLM-sized NPRF BERT classifier on a padded batch."""
-    from nprf_hf import NPRFBertConfig, NPRFBertForSequenceClassification
-
-    torch.manual_seed(0)
-    config = NPRFBertConfig(vocab_size=30522, attention_variant=variant, num_labels=2, hidden_dropout_prob=0.0,
-                            attention_probs_dropout_prob=0.0, **MODEL_SIZES["minilm"])
-    model = NPRFBertForSequenceClassification(config).train()
-    ids, mask = padded_batch(batch, n, config.vocab_size)
+    model = _classifier(variant)
+    ids, mask = padded_batch(batch, n, model.config.vocab_size)
     labels = torch.arange(batch) % 2
 
     def run():
         model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
         model.zero_grad(set_to_none=True)
+
+    return run
+
+
+def _classifier(variant):
+    from nprf_hf import NPRFBertConfig, NPRFBertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = NPRFBertConfig(vocab_size=30522, attention_variant=variant, num_labels=2, hidden_dropout_prob=0.0,
+                            attention_probs_dropout_prob=0.0, **MODEL_SIZES["minilm"])
+    return NPRFBertForSequenceClassification(config).train()
+
+
+GLUE_FOLDERS = {"sst2": "SST-2", "cola": "CoLA", "mrpc": "MRPC"}
+def glue_task_steps(task, variant, count):
+    """One training step on each of `count` batches of 32 of `task`'s dev set as a Trainer feeds them: shuffled
+    (seed 0), tokenized by MiniLM's tokenizer to at most 128 tokens, padded to each batch's longest (dynamic padding).
+    The call's time over `count` is the mean step at the task's own lengths."""
+    from transformers import AutoTokenizer
+
+    from nprf_hf.benchmarking import wheel_minilm
+    from nprf_hf.glue import TASK_TO_KEYS, read_glue_tsv
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    columns = read_glue_tsv(os.path.join(here, "..", "shared", "data", "glue", GLUE_FOLDERS[task], "dev.tsv"), task)
+    tokenizer = AutoTokenizer.from_pretrained(wheel_minilm())
+    order = torch.randperm(len(columns["label"]), generator=torch.Generator().manual_seed(0)).tolist()
+    texts = [[columns[key][i] for i in order[: 32 * count]] for key in TASK_TO_KEYS[task] if key is not None]
+    batches = []
+    for start in range(0, 32 * count, 32):
+        encoded = tokenizer(*[column[start : start + 32] for column in texts], truncation=True, max_length=128,
+                            padding="longest", return_tensors="pt")
+        batches.append((encoded["input_ids"], encoded["attention_mask"], torch.arange(32) % 2))
+    model = _classifier(variant)
+
+    def run():
+        for ids, mask, labels in batches:
+            model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+            model.zero_grad(set_to_none=True)
 
     return run
 
@@ -112,10 +147,13 @@ def _worker():
                 calls[key] = attention_call(inputs, n, variant, True, compiled=True)
             elif kind == "glue":
                 calls[key] = glue_step(int(rest[0]), int(rest[1]), rest[2])
+            elif kind == "glue-task":
+                calls[key] = glue_task_steps(rest[0], rest[1], int(rest[2]))
             else:
                 calls[key] = decode_step(int(rest[0]))
         run, times = calls[key], []
-        grad = torch.enable_grad() if key[0] in ("glue", "compiled") or "fwd+bwd" in key else torch.inference_mode()
+        grad = torch.enable_grad() if key[0] in ("glue", "glue-task", "compiled") or "fwd+bwd" in key \
+            else torch.inference_mode()
         with grad:
             for _ in range(int(repeats)):
                 start = time.perf_counter()
@@ -137,6 +175,9 @@ def workloads(args):
     if args.glue:
         batch, n = args.glue.split("x")
         rows += [(f"GLUE step {args.glue} {v}", ["glue", batch, n, v]) for v in VARIANTS]
+    for task in args.glue_tasks:
+        rows += [(f"GLUE {task} {args.glue_batches} dev batches {v}", ["glue-task", task, v, args.glue_batches])
+                 for v in VARIANTS]
     if args.decode_context:
         rows.append((f"decode step after {args.decode_context}", ["decode", args.decode_context]))
     return rows
@@ -166,6 +207,9 @@ def main(argv=None):
     parser.add_argument("--points", nargs="*", default=["1x4096", "1x16384"], help="attention points, BxN")
     parser.add_argument("--compiled", nargs="*", default=["4x2048"], help="compiled attention points, BxN")
     parser.add_argument("--glue", default="32x128", help="the classifier's training step, BxN ('': none)")
+    parser.add_argument("--glue-tasks", nargs="*", default=["sst2", "cola", "mrpc"], choices=sorted(GLUE_FOLDERS),
+                        help="training steps on real dev batches of 32 per task, dynamic padding (needs the MiniLM wheel)")
+    parser.add_argument("--glue-batches", type=int, default=12, help="dev batches per GLUE task")
     parser.add_argument("--decode-context", type=int, default=1024, help="the decode step's prefill (0: none)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--min-time", type=float, default=0.5)

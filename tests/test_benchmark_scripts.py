@@ -836,8 +836,8 @@ def test_side_by_side_times_every_workload_in_both_trees(tmp_path, capsys):
     script = load_script("side_by_side")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     result = script.main(["--against", root, "--points", "1x48", "--compiled", "2x40", "--glue", "2x16",
-                          "--decode-context", "8", "--rounds", "1", "--min-time", "0.001", "--threads", "1",
-                          "--output", str(tmp_path / "s.json")])
+                          "--glue-tasks", "--decode-context", "8", "--rounds", "1", "--min-time", "0.001",
+                          "--threads", "1", "--output", str(tmp_path / "s.json")])
     labels = [row["workload"] for row in result["rows"]]
     assert labels == [f"attention 1x48 {mode} {v}" for mode in ("fwd", "fwd+bwd") for v in ("nprf", "nprf_near")] + [
         "compiled attention 2x40 fwd+bwd nprf", "compiled attention 2x40 fwd+bwd nprf_near", "GLUE step 2x16 nprf",
@@ -849,6 +849,32 @@ def test_side_by_side_times_every_workload_in_both_trees(tmp_path, capsys):
     with pytest.raises(SystemExit):
         script.main(["--against", str(tmp_path)])
     assert "name another checkout of this repository" in capsys.readouterr().err
+
+
+@needs_minilm
+def test_side_by_side_glue_dev_batches(monkeypatch):
+    """--glue-tasks: training steps on a task's real dev batches, shuffled and padded to each batch's longest (MRPC
+    as sentence pairs), in both trees; the batches are the dev set's, not a synthetic length."""
+    script = load_script("side_by_side")
+    shapes = []
+    real_classifier = script._classifier
+
+    def classifier(variant):
+        model = real_classifier(variant)
+        model.register_forward_pre_hook(lambda module, args, kwargs: shapes.append(kwargs["input_ids"].shape),
+                                        with_kwargs=True)
+        return model
+
+    monkeypatch.setattr(script, "_classifier", classifier)
+    step = script.glue_task_steps("mrpc", "nprf_near", 2)
+    step()
+    assert [shape[0] for shape in shapes] == [32, 32] and all(16 < shape[1] <= 128 for shape in shapes)
+    assert shapes[0][1] != shapes[1][1]  # (each batch padded to its own longest pair)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = script.main(["--against", root, "--points", "--compiled", "--glue", "", "--glue-tasks", "sst2",
+                          "--glue-batches", "1", "--decode-context", "0", "--rounds", "1", "--min-time", "0.001",
+                          "--threads", "1"])
+    assert [row["workload"] for row in result["rows"]] == [f"GLUE sst2 1 dev batches {v}" for v in ("nprf", "nprf_near")]
 
 
 @needs_minilm
