@@ -38,7 +38,7 @@ class Crossovers(NamedTuple):
     dense_factor_inference: float
     fft_min_length: int
     measured_on: str
-    dense_factor_near: float = 1.0  # the exact near field: its dense product computes both kernels on every pair
+    dense_factor_near: float = 1.4  # the exact near field, eager (RESULTS "What `auto` runs"); compiled as the rest
 
 
 # `recompute=None` recomputes banded / fft in backward from this size of one call's [B, H, n, m] features on (16 MiB:
@@ -112,7 +112,7 @@ def resolve_algorithm(algorithm, bias, n, band_width, m, e, inference=False, nea
     if has_band:
         factor = crossovers.dense_factor_compiled if torch.compiler.is_compiling() else crossovers.dense_factor
         factor = crossovers.dense_factor_inference if inference else factor
-        factor = crossovers.dense_factor_near if near else factor
+        factor = crossovers.dense_factor_near if near and not torch.compiler.is_compiling() else factor
         if n <= factor * banded_window(band_width, m, e, near):
             return "dense", band_width, f"auto: n within {factor} banded windows"
         return "banded", band_width, f"auto: n beyond {factor} banded windows"
