@@ -3,6 +3,7 @@ stop, that a CUDA timing waits for the device on both sides, what the memory mea
 file is written whole or not at all. Times come from a fake clock: nothing here depends on the machine's speed."""
 
 import json
+import mmap
 import os
 import time
 
@@ -102,11 +103,13 @@ def test_timed_waits_for_the_device_on_both_sides(clock, monkeypatch):
 
 
 def hold(nbytes, seconds=0.0):
-    """Allocate and touch `nbytes` (so that they are resident), hold them `seconds`, free them."""
-    block = bytearray(nbytes)
-    block[::4096] = b"\1" * len(block[::4096])
+    """Map and touch `nbytes` of fresh pages (resident while held), hold them `seconds`, unmap them. (An mmap, not a
+    heap block: after an earlier test's model step glibc serves a 96 MiB bytearray from memory still resident.)"""
+    block = mmap.mmap(-1, nbytes)
+    for offset in range(0, nbytes, mmap.PAGESIZE):
+        block[offset] = 1
     time.sleep(seconds)
-    del block
+    block.close()
 
 
 MIB = 2**20
