@@ -857,6 +857,9 @@ def test_side_by_side_glue_dev_batches(monkeypatch):
     as sentence pairs), in both trees; the batches are the dev set's, not a synthetic length."""
     script = load_script("side_by_side")
     shapes = []
+    # (a small model in this process: the batches are what is checked; the workers below build the real size)
+    monkeypatch.setitem(script.MODEL_SIZES, "minilm", dict(num_hidden_layers=1, hidden_size=24, num_attention_heads=2,
+                                                           intermediate_size=32))
     real_classifier = script._classifier
 
     def classifier(variant):
