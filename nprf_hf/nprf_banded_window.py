@@ -181,7 +181,7 @@ def _band_window_backward(q, k_rows, u_rows, coefficients, grad_out, needs_coeff
     # the feature scores' columns: the whole window, or with the near field its blocks that hold far pairs
     columns = _far_columns(coefficients, chunk) if near else [(0, window)]
     group = min(BANDED_GROUP, num_chunks)  # per-thread buffers, reused: no allocation per group
-    buffers = [(*(q.new_empty(group, chunk, window) for _ in range(3 + 2 * near)),
+    buffers = [(*(q.new_empty(group, chunk, window) for _ in range(3 + 3 * near)),
                 q.new_empty(group, window, u_rows.shape[-1]), q.new_empty(group, window, q.shape[-1]),
                 q.new_empty(group, window, q_near.shape[-1]) if near else None)
                for _ in range(threads.slots(sequences))]
@@ -199,14 +199,16 @@ def _band_window_backward(q, k_rows, u_rows, coefficients, grad_out, needs_coeff
                 near_coefficient = near_coefficients[sequence % heads]
                 k_near_group = k_near_windows[sequence, first:last]
                 exact = torch.bmm(q_near[rows], k_near_group, out=near_buffers[0][:count]).exp_()
+                exact_grad = None  # exp(.) dL/dw, kept for the logits' gradient below
                 if grad_coefficients is not None:
-                    grad_coefficients[1, sequence] += torch.mul(exact, grad_weights, out=product_buffer[:count]).sum(0)
+                    exact_grad = torch.mul(exact, grad_weights, out=product_buffer[:count])
+                    grad_coefficients[1, sequence] += exact_grad.sum(0)
                 weights = torch.mul(exact, near_coefficient, out=near_buffers[1][:count])
             for start, stop in columns:
                 scores = _flat(scores_buffer, count, chunk, stop - start)
                 torch.bmm(q_group, k_group[:, :, start:stop], out=scores)
                 if grad_coefficients is not None:
-                    product = _flat(product_buffer, count, chunk, stop - start)
+                    product = _flat(near_buffers[2] if near else product_buffer, count, chunk, stop - start)
                     grad_coefficients[0, sequence, :, start:stop] += torch.mul(scores, grad_weights[:, :, start:stop],
                                                                                out=product).sum(0)
                 if weights is None:  # (without the near field: the one column range, the whole window)
@@ -214,22 +216,14 @@ def _band_window_backward(q, k_rows, u_rows, coefficients, grad_out, needs_coeff
                 else:
                     weights[:, :, start:stop].addcmul_(scores, coefficient[:, start:stop])
             if near:  # the logits' gradient: exp(.) dL/dw near_coefficients
-                grad_logits = exact.mul_(grad_weights).mul_(near_coefficient)
+                grad_logits = (exact.mul_(grad_weights) if exact_grad is None else exact_grad).mul_(near_coefficient)
                 torch.bmm(grad_logits, k_near_group.transpose(-1, -2), out=grad_q_near[rows])
                 torch.bmm(grad_logits.transpose(-1, -2), q_near[rows], out=grad_k_near_windows[:count])
                 _fold_windows(grad_k_near_windows[:count], grad_k_near[sequence], first, chunk)
             torch.bmm(weights.transpose(-1, -2), grad_group, out=grad_u_windows[:count])
             _fold_windows(grad_u_windows[:count], grad_u[sequence], first, chunk)
-            grad_scores = grad_weights.mul_(coefficient)
-            for index, (start, stop) in enumerate(columns):
-                grad_block, k_block = grad_scores[:, :, start:stop], k_group[:, :, start:stop]
-                if index == 0:
-                    torch.bmm(grad_block, k_block.transpose(-1, -2), out=grad_q[rows])
-                else:
-                    grad_q[rows].baddbmm_(grad_block, k_block.transpose(-1, -2))
-                grad_k_block = torch.bmm(grad_block.transpose(-1, -2), q_group,
-                                         out=_flat(grad_k_windows, count, stop - start, q.shape[-1]))
-                _fold_windows(grad_k_block, grad_k[sequence], first + start // chunk, chunk)
+            _feature_grads(grad_weights, coefficient, columns, near_buffers[2] if near else None, q_group, k_group,
+                           grad_q[rows], grad_k[sequence], grad_k_windows, first)
 
     threads.items(sequences, sequence_backward)
     grad_near_coefficients = None
@@ -239,6 +233,26 @@ def _band_window_backward(q, k_rows, u_rows, coefficients, grad_out, needs_coeff
         grad_near_coefficients = grad_coefficients[1].clone() if near else None
         grad_coefficients = grad_coefficients[0].clone()
     return grad_q, grad_k, grad_u, grad_coefficients, grad_q_near, grad_k_near, grad_near_coefficients
+
+
+def _feature_grads(grad_weights, coefficient, columns, scratch, q_group, k_group, grad_q, grad_k, grad_k_windows,
+                   first):
+    """Backward of a group's feature scores on their `columns` of the window: grad_q [G, s, m] (written), grad_k
+    (the sequence's key rows, added to through `_fold_windows`) from dL/dw [G, s, window] times the coefficient block
+    [s, window]: in place on the whole window without the near field, else on its far blocks alone into `scratch`."""
+    count, chunk = grad_weights.shape[:2]
+    grad_scores = grad_weights.mul_(coefficient) if scratch is None else None
+    for index, (start, stop) in enumerate(columns):
+        k_block = k_group[:, :, start:stop]
+        grad_block = grad_scores if scratch is None else torch.mul(
+            grad_weights[:, :, start:stop], coefficient[:, start:stop], out=_flat(scratch, count, chunk, stop - start))
+        if index == 0:
+            torch.bmm(grad_block, k_block.transpose(-1, -2), out=grad_q)
+        else:
+            grad_q.baddbmm_(grad_block, k_block.transpose(-1, -2))
+        grad_k_block = torch.bmm(grad_block.transpose(-1, -2), q_group,
+                                 out=_flat(grad_k_windows, count, stop - start, q_group.shape[-1]))
+        _fold_windows(grad_k_block, grad_k, first + start // chunk, chunk)
 
 
 def _far_columns(coefficients, chunk):
