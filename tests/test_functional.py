@@ -932,6 +932,20 @@ def test_auto_keeps_dense_to_about_1_6_windows():
     }
 
 
+def test_auto_keeps_the_near_field_dense_to_1_4_windows():
+    """The exact near field's dense products build one kernel and compute the features of the far rows alone, so they
+    beat its banded algorithm (a window of 289.5 keys' worth) up to about 1.4 windows, forward + backward and without
+    autograd alike (measured: 384 tokens dense, 448 banded or level, 512 banded; docs/RESULTS.md "What `auto` runs")."""
+    heads, width = 12, Fn.rpe_band_width()
+    picks = {}
+    for n in (160, 384, 448, 512):
+        bias = t5_bias(heads, n)
+        for inference in (False, True):
+            picks[n, inference] = Fn._resolve_algorithm("auto", bias, n, width, 64, 65, inference, near=True)[0]
+    assert picks == {(n, inference): "dense" if n <= 384 else "banded" for n in (160, 384, 448, 512)
+                     for inference in (False, True)}
+
+
 def test_band_window_product_op_registration():
     """The near product's custom op: schema, fake tensor (what torch.compile traces) and autograd registration
     agree with the eager kernel (torch.library.opcheck), with and without the coefficients' gradient."""
