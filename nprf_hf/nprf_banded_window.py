@@ -222,7 +222,7 @@ def _band_window_backward(q, k_rows, u_rows, coefficients, grad_out, needs_coeff
                 _fold_windows(grad_k_near_windows[:count], grad_k_near[sequence], first, chunk)
             torch.bmm(weights.transpose(-1, -2), grad_group, out=grad_u_windows[:count])
             _fold_windows(grad_u_windows[:count], grad_u[sequence], first, chunk)
-            _feature_grads(grad_weights, coefficient, columns, near_buffers[2] if near else None, q_group, k_group,
+            _feature_column_grads(grad_weights, coefficient, columns, near_buffers[2] if near else None, q_group, k_group,
                            grad_q[rows], grad_k[sequence], grad_k_windows, first)
 
     threads.items(sequences, sequence_backward)
@@ -235,7 +235,7 @@ def _band_window_backward(q, k_rows, u_rows, coefficients, grad_out, needs_coeff
     return grad_q, grad_k, grad_u, grad_coefficients, grad_q_near, grad_k_near, grad_near_coefficients
 
 
-def _feature_grads(grad_weights, coefficient, columns, scratch, q_group, k_group, grad_q, grad_k, grad_k_windows,
+def _feature_column_grads(grad_weights, coefficient, columns, scratch, q_group, k_group, grad_q, grad_k, grad_k_windows,
                    first):
     """Backward of a group's feature scores on their `columns` of the window: grad_q [G, s, m] (written), grad_k
     (the sequence's key rows, added to through `_fold_windows`) from dL/dw [G, s, window] times the coefficient block

@@ -76,8 +76,9 @@ def _holes(key_mask, key_lengths):
 
 def _dense_forward(phi_q, phi_k, q_near, k_near, width, key_mask, exponential, value, c, key_lengths, normalized,
                    threads=SERIAL):
-    """(out, divisors): `dense_toeplitz_inference`'s output and, when normalized, the divisors [B, H, n, 1] used
-    (the denominators, inf for rows with no key); the near field given as `_kernel_inputs`."""
+    """(out, divisors, holes): `dense_toeplitz_inference`'s output, when normalized the divisors [B, H, n, 1] used
+    (the denominators, inf for rows with no key), and `_holes` (backward reads them too); the near field given as
+    `_kernel_inputs`."""
     batch, heads, n, _ = value.shape  # (phi_q may hold the far rows alone)
     d = value.shape[-1]
     toeplitz = toeplitz_matrix(c, n)
@@ -122,7 +123,7 @@ def _dense_forward(phi_q, phi_k, q_near, k_near, width, key_mask, exponential, v
                 torch.sum(weights, dim=-1, keepdim=True, out=out[b, first:last, :, d:])
 
     threads.items(batch, sequence_forward)
-    return out, divisors
+    return out, divisors, holes
 
 
 def dense_toeplitz_training(phi_q, phi_k, value, c, key_lengths, normalized=False, near=None, threads=SERIAL):
@@ -151,8 +152,8 @@ class _DenseToeplitzProduct(torch.autograd.Function):
     @staticmethod
     def forward(ctx, phi_q, phi_k, q_near, k_near, width, key_mask, exponential, value, c, setup):
         lengths, normalized, threads = setup  # (key lengths, normalized?, the `nprf_schedule` scheduler)
-        out, divisors = _dense_forward(phi_q, phi_k, q_near, k_near, width, key_mask, exponential, value, c, lengths,
-                                       normalized, threads)
+        out, divisors, ctx.holes = _dense_forward(phi_q, phi_k, q_near, k_near, width, key_mask, exponential, value, c,
+                                                  lengths, normalized, threads)
         ctx.save_for_backward(phi_q, phi_k, value, c, q_near, k_near, key_mask,
                               *((out, divisors) if normalized else ()))
         ctx.lengths, ctx.normalized, ctx.width, ctx.exponential = lengths, normalized, width, exponential
@@ -190,8 +191,8 @@ class _DenseToeplitzProduct(torch.autograd.Function):
 
 class _DenseBackward(NamedTuple):
     """One backward of `_DenseToeplitzProduct`: its saved inputs and options, C [H, n, n], which sequences need the key
-    mask (`_holes`), the upstream gradient of a sequence's heads and the gradients asked for (zero-filled here, None
-    where not asked for)."""
+    mask (`_holes`, from forward), the upstream gradient of a sequence's heads and the gradients asked for
+    (`_asked_grad`; None where not asked for)."""
 
     phi_q: torch.Tensor
     phi_k: torch.Tensor
@@ -222,7 +223,7 @@ def _backward_call(ctx, grad_out, saved):
     upstream = _upstream(grad_out, value.shape[-1], normalized if ctx.normalized else None)
     far = far_pairs(phi_q, phi_k, n, ctx.width, ctx.lengths, backward=True) if q_near is not None else None
     return _DenseBackward(phi_q, phi_k, value, q_near, k_near, key_mask, ctx.width, ctx.exponential,
-                          toeplitz_matrix(c, n), _holes(key_mask, ctx.lengths), far, upstream, *asked)
+                          toeplitz_matrix(c, n), ctx.holes, far, upstream, *asked)
 
 
 def _asked_grad(x, index, lengths, near):
@@ -257,7 +258,8 @@ def _upstream(grad_out, d, normalized):
 
 def _head_group_backward(call, buffer, b, heads, length):
     """The gradients of sequence b's `heads` (its first `length` keys) into `call`'s, and C's into the slot's buffer:
-    w = kernel * C with kernel phi_q . phi_k, exp(q . k) (`exponential`), or the near field's (`_near_kernel`)."""
+    w = kernel * C with kernel phi_q . phi_k, exp(q . k) (`exponential`), or the near field's
+    (`nprf_dense_near.near_kernel`)."""
     g, grad_denominator = call.upstream(b, heads)
     scale = call.toeplitz[heads, :, :length]
     kernels, grad_buffer, grad_toeplitz, weights_buffer = buffer

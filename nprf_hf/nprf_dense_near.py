@@ -81,14 +81,16 @@ class FarPairs(NamedTuple):
 
 def far_pairs(phi_q, phi_k, n, width, lengths, backward=False):
     """The `FarPairs` of compact far-row features phi_q, phi_k [B, H, r, m] and key lengths [B] ints."""
-    layouts = {length: _far_layout(n, length, width, phi_q) for length in set(lengths) if length}
-    full = _far_layout(n, n, width, phi_q)
+    kept = {length for length in lengths if length} | {n}  # (n: the full length's layout, `FarPairs.full`)
+    layouts = {length: _far_layout(n, length, width, phi_q) for length in kept}
+    full = layouts[n]
     if 2 * width < n:
         return FarPairs(layouts, None, full)
     scores = {(block.rows.start, block.keys.start): torch.matmul(
         phi_q[:, :, block.compact_rows], phi_k[:, :, block.compact_keys].transpose(-1, -2)).mul_(block.far)
         for block in full}
-    return FarPairs(layouts, scores, full, {key: torch.zeros_like(t) for key, t in scores.items()} if backward else None)
+    grad_scores = {key: torch.zeros_like(t) for key, t in scores.items()} if backward else None
+    return FarPairs(layouts, scores, full, grad_scores)
 
 
 def near_kernel(q_near, k_near, phi_q, phi_k, far, sequence, key_mask, out):

@@ -852,9 +852,10 @@ def test_side_by_side_times_every_workload_in_both_trees(tmp_path, capsys):
 
 
 @needs_minilm
-def test_side_by_side_glue_dev_batches(monkeypatch):
+def test_side_by_side_glue_dev_batches(monkeypatch, tmp_path, capsys):
     """--glue-tasks: training steps on a task's real dev batches, shuffled and padded to each batch's longest (MRPC
-    as sentence pairs), in both trees; the batches are the dev set's, not a synthetic length."""
+    as sentence pairs), in both trees; the batches are the dev set's, not a synthetic length. A glue_data folder
+    without the task is refused in one line before any worker starts."""
     script = load_script("side_by_side")
     shapes = []
     # (a small model in this process: the batches are what is checked; the workers below build the real size)
@@ -878,6 +879,10 @@ def test_side_by_side_glue_dev_batches(monkeypatch):
                           "--glue-batches", "1", "--decode-context", "0", "--rounds", "1", "--min-time", "0.001",
                           "--threads", "1"])
     assert [row["workload"] for row in result["rows"]] == [f"GLUE sst2 1 dev batches {v}" for v in ("nprf", "nprf_near")]
+    monkeypatch.setattr(script, "GLUE_DIR", str(tmp_path))
+    with pytest.raises(SystemExit):
+        script.main(["--against", root, "--points", "--compiled", "--glue", "", "--glue-tasks", "cola"])
+    assert "--glue-tasks" in capsys.readouterr().err
 
 
 @needs_minilm
